@@ -1,0 +1,83 @@
+"""`xlaserve convert gguf|hf SRC OUT`: any supported source -> an xlaserve model folder."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from tqdm import tqdm
+
+from xlaserve.checkpoints.errors import CheckpointError
+from xlaserve.checkpoints.gguf_file import gguf_tokenizer_fields, read_gguf
+from xlaserve.checkpoints.layout import params_from_hf
+from xlaserve.checkpoints.store import CONFIG_FILE, atomic_folder, save_params
+from xlaserve.models.config import ModelConfig
+
+
+def _bar(desc: str, quiet: bool):
+    def progress(it: Iterable[int]) -> Iterable[int]:
+        return tqdm(it, desc=desc, unit="layer", disable=quiet)
+    return progress
+
+
+def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
+                 quiet: bool = False) -> ModelConfig:
+    from xlaserve.serving.tokenizer import tokenizer_from_gguf
+
+    model = read_gguf(src)
+    config = model.config
+    with atomic_folder(out, overwrite) as tmp:
+        params = params_from_hf(config, model.get, _bar(f"dequantizing {Path(src).name}", quiet))
+        save_params(tmp, params)
+        try:
+            tokenizer_from_gguf(gguf_tokenizer_fields(src), tmp)
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"{src}: tokenizer: {e}") from e
+        config.save(tmp / CONFIG_FILE)
+    return config
+
+
+def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
+               quiet: bool = False) -> ModelConfig:
+    from safetensors import safe_open
+
+    from xlaserve.serving.tokenizer import tokenizer_from_hf
+
+    src = Path(src)
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: no such directory")
+    cfg_path = src / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{src}: no config.json")
+    try:
+        config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    except (ValueError, KeyError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{cfg_path}: {type(e).__name__}: {e}") from e
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{src}: no *.safetensors files")
+    handles = {}
+    where: dict[str, Path] = {}
+    try:
+        for f in files:
+            h = safe_open(str(f), framework="numpy")
+            handles[f] = h
+            for name in h.keys():
+                where[name] = f
+    except Exception as e:
+        raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
+    if config.tie_word_embeddings is False and "lm_head.weight" not in where:
+        config = config.replace(tie_word_embeddings=True)
+
+    def get(name: str):
+        if name not in where:
+            raise CheckpointError(f"{src}: tensor {name} is missing from the safetensors files")
+        return handles[where[name]].get_tensor(name)
+
+    with atomic_folder(out, overwrite) as tmp:
+        params = params_from_hf(config, get, _bar(f"converting {src.name}", quiet))
+        save_params(tmp, params)
+        tokenizer_from_hf(src, tmp, config.eos_token_ids)
+        config.save(tmp / CONFIG_FILE)
+    return config

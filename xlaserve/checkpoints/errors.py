@@ -1,0 +1,2 @@
+class CheckpointError(Exception):
+    """A checkpoint or model file that cannot be read or written; the message names the file."""

@@ -1,0 +1,95 @@
+"""The on-disk model folder that `xlaserve convert` writes and the server loads:
+
+    MODEL/
+      config.json             ModelConfig
+      params/                 orbax checkpoint of the parameter pytree
+      tokenizer.json | tokenizer.model
+      tokenizer_config.json   chat template, special tokens
+
+Loading restores each array straight into its target sharding on the mesh: orbax reads only the
+slices a device holds, so no host ever materialises a full copy of a sharded parameter.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from xlaserve.checkpoints.errors import CheckpointError
+from xlaserve.models.config import ModelConfig
+from xlaserve.models.llama import Params, param_axes, param_shapes
+from xlaserve.sharding.rules import named_sharding
+
+CONFIG_FILE = "config.json"
+PARAMS_DIR = "params"
+
+
+@contextmanager
+def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling of `out`; rename it to `out` only if the block succeeds.
+
+    A failed or interrupted conversion leaves no half-written model folder behind."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out}: already exists (pass --overwrite to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_params(folder: Path, params: Params) -> None:
+    import orbax.checkpoint as ocp
+
+    arrays = jax.tree_util.tree_map(np.asarray, params)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((folder / PARAMS_DIR).absolute(), arrays)
+        ckptr.wait_until_finished()
+
+
+def load_config(folder: str | Path, dtype: str | None = None) -> ModelConfig:
+    folder = Path(folder)
+    path = folder / CONFIG_FILE
+    if not path.exists():
+        raise CheckpointError(f"{folder}: not a model folder (no {CONFIG_FILE}); "
+                              f"create one with `xlaserve convert`")
+    config = ModelConfig.load(path)
+    return config.replace(dtype=dtype) if dtype else config
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh,
+                    axes_fn: Callable[[ModelConfig], Params] = param_axes) -> Params:
+    return jax.tree_util.tree_map(lambda axes: named_sharding(mesh, axes), axes_fn(config),
+                                  is_leaf=lambda x: isinstance(x, tuple))
+
+
+def load_params(folder: str | Path, config: ModelConfig, mesh: Mesh) -> Params:
+    """Restore the parameters of `folder` directly into their shardings on `mesh`."""
+    import orbax.checkpoint as ocp
+
+    folder = Path(folder)
+    shardings = param_shardings(config, mesh)
+    dtype = jax.numpy.dtype(config.dtype)
+    target = jax.tree_util.tree_map(
+        lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+        param_shapes(config), shardings, is_leaf=lambda x: isinstance(x, tuple))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore((folder / PARAMS_DIR).absolute(), target)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{folder}: no parameters ({e})") from e

@@ -1,0 +1,86 @@
+"""The `xlaserve` command: convert, generate (and later serve, worker, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from xlaserve.checkpoints.convert import convert_gguf, convert_hf
+
+    fn = convert_gguf if args.format == "gguf" else convert_hf
+    config = fn(args.src, args.out, overwrite=args.overwrite, quiet=args.quiet)
+    print(f"wrote {args.out}: {config.architecture}, {config.num_layers} layers, "
+          f"{config.num_params / 1e6:.1f}M parameters")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from xlaserve.serving.generate import SamplingOptions, SequenceGenerator
+    from xlaserve.serving.loading import load_model
+    from xlaserve.serving.tokenizer import IncrementalDetokenizer
+
+    model = load_model(args.model, dtype=args.dtype)
+    tok = model.tokenizer
+    if args.chat is not None:
+        prompt = tok.encode_chat([{"role": "user", "content": args.chat}])
+    else:
+        prompt = tok.encode(args.prompt)
+    gen = SequenceGenerator(model.params, model.config, max_len=args.max_len,
+                            attention_backend=args.attention_backend)
+    options = SamplingOptions(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, seed=args.seed)
+    detok = IncrementalDetokenizer(tok, prompt)
+    for token in gen.generate(prompt, options, stop_ids=model.config.eos_token_ids):
+        if token in model.config.eos_token_ids:
+            break
+        sys.stdout.write(detok.add(token))
+        sys.stdout.flush()
+    sys.stdout.write(detok.flush() + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="xlaserve", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("convert", help="convert a GGUF file or HF folder into a model folder")
+    c.add_argument("format", choices=["gguf", "hf"])
+    c.add_argument("src", help="GGUF file, or HF folder with config.json + *.safetensors")
+    c.add_argument("out", help="output model folder")
+    c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(fn=_convert)
+
+    g = sub.add_parser("generate", help="generate from one prompt, streamed to the terminal")
+    g.add_argument("--model", required=True, help="model folder written by `xlaserve convert`")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw prompt text")
+    src.add_argument("--chat", help="one user message, rendered with the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-len", type=int, default=2048)
+    g.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: from config)")
+    g.add_argument("--attention-backend", default="reference")
+    g.set_defaults(fn=_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from xlaserve.checkpoints.errors import CheckpointError
+
+    try:
+        return int(args.fn(args))
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"xlaserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Model configuration: one frozen dataclass, built from HF `config.json`, GGUF metadata or the
+JSON file that `xlaserve convert` writes beside a checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style frequency scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+    architecture: str = "llama"
+    dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA ratio)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_params(self) -> int:
+        e, f, layers = self.hidden_size, self.intermediate_size, self.num_layers
+        attn = e * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * e * f + 2 * e
+        head = 0 if self.tie_word_embeddings else self.vocab_size * e
+        return self.vocab_size * e + layers * per_layer + e + head
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # -- serialisation -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], dtype: str = "float32") -> "ModelConfig":
+        """From a Hugging Face `config.json` of a Llama or Mistral model."""
+        model_type = hf.get("model_type", "")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        eos = hf.get("eos_token_id", 2)
+        scaling = _rope_scaling_from_hf(hf.get("rope_scaling") or hf.get("rope_parameters"))
+        theta = hf.get("rope_theta")
+        if theta is None and isinstance(hf.get("rope_parameters"), dict):
+            theta = hf["rope_parameters"].get("rope_theta")
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rope_theta=float(theta or 10000.0),
+            rope_scaling=scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+            architecture=model_type,
+            dtype=dtype,
+        )
+
+
+def _rope_scaling_from_hf(rs: dict[str, Any] | None) -> RopeScaling | None:
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, llama3)")
+    return RopeScaling(
+        factor=float(rs["factor"]),
+        low_freq_factor=float(rs["low_freq_factor"]),
+        high_freq_factor=float(rs["high_freq_factor"]),
+        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+    )

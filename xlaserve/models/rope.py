@@ -1,0 +1,39 @@
+"""Rotary position embeddings (the HF "rotate half" layout), with optional Llama 3 scaling."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlaserve.models.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """[head_dim // 2] float32, computed on the host once per model."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = config.rope_scaling
+    if rs is not None:
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor)
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = np.where(medium, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x: [B, T, N, D]; positions: [B, T]; inv_freq: [D // 2] -> [B, T, N, D]."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq       # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)

@@ -1,0 +1,264 @@
+"""Tokenizers: BPE vocabularies (`tokenizer.json`, via the `tokenizers` library) and sentencepiece
+models (`tokenizer.model`), with the model's own chat template and an incremental detokenizer.
+
+A checkpoint folder holds one of `tokenizer.json` / `tokenizer.model` plus
+`tokenizer_config.json` ({chat_template, bos_token, eos_token, add_bos_token, ...}).  GGUF
+vocabularies are turned into a `tokenizer.json` at conversion time (`tokenizer_from_gguf`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template."""
+
+    def __init__(self, backend: Any, kind: str, config: dict[str, Any]):
+        self._backend = backend
+        self.kind = kind  # "bpe" (tokenizers library) or "sentencepiece"
+        self.config = config
+        self.chat_template: str | None = config.get("chat_template")
+        self.add_bos: bool = bool(config.get("add_bos_token", False))
+        self.bos_token: str | None = config.get("bos_token")
+        self.eos_token: str | None = config.get("eos_token")
+        self.bos_id: int | None = self.token_to_id(self.bos_token) if self.bos_token else None
+        eos_ids = config.get("eos_token_ids")
+        if eos_ids is None:
+            eos_ids = [self.token_to_id(self.eos_token)] if self.eos_token else []
+        self.eos_ids: tuple[int, ...] = tuple(int(i) for i in eos_ids if i is not None)
+        self.special_ids: frozenset[int] = frozenset(
+            int(i) for i in config.get("special_ids", [])) | frozenset(self.eos_ids) | (
+            frozenset([self.bos_id]) if self.bos_id is not None else frozenset())
+        specials = sorted(config.get("special_tokens", []), key=len, reverse=True)
+        self._special_re = (re.compile("(" + "|".join(re.escape(s) for s in specials) + ")")
+                            if specials and kind == "sentencepiece" else None)
+
+    # -- loading ---------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "Tokenizer":
+        folder = Path(folder)
+        cfg_path = folder / TOKENIZER_CONFIG
+        config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        if (folder / "tokenizer.model").exists():
+            import sentencepiece as spm
+
+            sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+            return cls(sp, "sentencepiece", config)
+        if (folder / "tokenizer.json").exists():
+            from tokenizers import Tokenizer as HFTokenizer
+
+            return cls(HFTokenizer.from_file(str(folder / "tokenizer.json")), "bpe", config)
+        raise FileNotFoundError(f"{folder}: no tokenizer.model or tokenizer.json")
+
+    # -- ids -------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        if self.kind == "sentencepiece":
+            return int(self._backend.get_piece_size())
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    def token_to_id(self, token: str) -> int | None:
+        if self.kind == "sentencepiece":
+            i = self._backend.piece_to_id(token)
+            return None if i == self._backend.unk_id() and token != self._backend.id_to_piece(i) \
+                else int(i)
+        i = self._backend.token_to_id(token)
+        return None if i is None else int(i)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids for `text`.  Special-token strings in the text (as chat templates write them) map
+        to their ids; a BOS is prepended when the model asks for one and it is not there."""
+        if self.kind == "sentencepiece":
+            ids: list[int] = []
+            parts = self._special_re.split(text) if self._special_re else [text]
+            for i, part in enumerate(parts):
+                if not part:
+                    continue
+                if i % 2 == 1:  # a special token
+                    ids.append(int(self._backend.piece_to_id(part)))
+                else:
+                    ids.extend(self._backend.encode(part))
+        else:
+            ids = list(self._backend.encode(text, add_special_tokens=False).ids)
+        if add_special_tokens and self.add_bos and self.bos_id is not None and (
+                not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        if self.kind == "sentencepiece":
+            return str(self._backend.decode(ids))
+        return str(self._backend.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    # -- chat ------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        return _render_chat(self.chat_template, messages, add_generation_prompt,
+                            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=True)
+
+
+def _render_chat(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                 **extra: Any) -> str:
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
+                                                              indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template).render(messages=messages,
+                                            add_generation_prompt=add_generation_prompt, **extra)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a short window of recent ids and emits only the text beyond what the window's prefix
+    already produced, holding back while the tail ends in an incomplete UTF-8 sequence (U+FFFD).
+    Seeding the window with the prompt's last ids keeps a leading space that sentencepiece would
+    drop from a first token decoded alone.  The deltas concatenate to the full decode."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-6:])
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held back (at the end of the stream)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        text = decode(self.ids[self.prefix_offset:])
+        if len(text) > len(prefix) and (final or not text.endswith("\ufffd")):
+            if not text.startswith(prefix):  # decoding can rewrite earlier text (rare)
+                return ""
+            delta = text[len(prefix):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return delta
+        return ""
+
+
+# -- GGUF vocabularies -> tokenizer.json -------------------------------------------------------
+
+# llama.cpp pre-tokenizer names whose regex splits digits one by one before the GPT-2 split.
+_DIGIT_SPLIT_PRE = {"smollm", "llama3", "llama-bpe", "deepseek-llm", "deepseek-coder", "qwen2",
+                    "olmo", "dbrx"}
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+
+def tokenizer_from_gguf(fields: dict[str, Any], folder: Path) -> None:
+    """Write `tokenizer.json` + `tokenizer_config.json` into `folder` from GGUF tokenizer fields."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    kind = fields.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (supported: gpt2 "
+                         "byte-level BPE); convert the HF checkpoint instead")
+    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+    types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if fields.get("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    special = [t for t, ty in zip(tokens, types) if ty in (TOKEN_TYPE_CONTROL,
+                                                             TOKEN_TYPE_USER_DEFINED)]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.save(str(folder / "tokenizer.json"))
+
+    def token(key: str) -> str | None:
+        i = fields.get(key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    eos_ids = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+               if fields.get(k) is not None]
+    config = {
+        "chat_template": fields.get("tokenizer.chat_template"),
+        "bos_token": token("tokenizer.ggml.bos_token_id"),
+        "eos_token": token("tokenizer.ggml.eos_token_id"),
+        "eos_token_ids": sorted(set(int(i) for i in eos_ids)),
+        "add_bos_token": bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        "special_ids": [vocab[t] for t in special],
+        "special_tokens": special,
+    }
+    (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
+def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> None:
+    """Copy an HF tokenizer (tokenizer.model or tokenizer.json) and distil its config."""
+    import shutil
+
+    copied = False
+    for name in ("tokenizer.model", "tokenizer.json"):
+        if (src / name).exists():
+            shutil.copy2(src / name, folder / name)
+            copied = True
+    if not copied:
+        raise FileNotFoundError(f"{src}: no tokenizer.model or tokenizer.json")
+    hf_cfg: dict[str, Any] = {}
+    if (src / TOKENIZER_CONFIG).exists():
+        hf_cfg = json.loads((src / TOKENIZER_CONFIG).read_text())
+    if not hf_cfg.get("chat_template") and (src / "chat_template.jinja").exists():
+        hf_cfg["chat_template"] = (src / "chat_template.jinja").read_text()
+
+    def content(v: Any) -> str | None:
+        return v.get("content") if isinstance(v, dict) else v
+
+    specials: list[str] = []
+    special_ids: list[int] = []
+    for i, v in (hf_cfg.get("added_tokens_decoder") or {}).items():
+        if v.get("special"):
+            specials.append(v["content"])
+            special_ids.append(int(i))
+    kind_spm = (src / "tokenizer.model").exists()
+    config = {
+        "chat_template": hf_cfg.get("chat_template"),
+        "bos_token": content(hf_cfg.get("bos_token")),
+        "eos_token": content(hf_cfg.get("eos_token")),
+        "eos_token_ids": list(eos_token_ids),
+        # sentencepiece Llama tokenizers add BOS unless told not to
+        "add_bos_token": bool(hf_cfg.get("add_bos_token", kind_spm)),
+        "special_ids": special_ids,
+        "special_tokens": specials,
+    }
+    (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False))
