@@ -1,0 +1,110 @@
+"""The messages between the front ends (HTTP, gRPC, CLI) and the engine.
+
+    front end --GenerationRequest--> engine.submit() --EngineEvent...--> front end
+                                     engine.abort(request_id)
+
+Every accepted request ends with exactly one event whose `finish_reason` is set: "stop",
+"length", "abort" or "error" (with `error` saying what went wrong).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Tier(IntEnum):
+    """Service tier; a higher value is served first."""
+
+    FREE = 0
+    PAID = 1
+    INTERNAL = 2
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0      # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                # 0 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None       # same seed -> same text, whatever else is in the batch
+    stop: tuple[str, ...] = ()    # stop strings, matched on detokenized text
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None   # None = off; k >= 0: the sampled token's logprob + top-k
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and 0 <= self.temperature <= 100):
+            bad("temperature", "must be between 0 and 100")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (0 = off)")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be between -2 and 2")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", "must be between 0 and 20")
+        if len(self.stop) > 16 or any(not s for s in self.stop):
+            bad("stop", "at most 16 non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tier: Tier = Tier.FREE
+    priority: int = 0             # within a tier; higher first
+    tenant: str = ""              # salts prefix-cache hashes: no cross-tenant sharing
+    deadline: float | None = None  # absolute monotonic time, for priority
+    arrival_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""                              # the text delta these tokens add
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None            # stop | length | abort | error
+    usage: Usage | None = None                  # on the final event
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
