@@ -11,7 +11,7 @@ from tqdm import tqdm
 from xlaserve.checkpoints.errors import CheckpointError
 from xlaserve.checkpoints.gguf_file import gguf_tokenizer_fields, read_gguf
 from xlaserve.checkpoints.layout import params_from_hf
-from xlaserve.checkpoints.store import CONFIG_FILE, atomic_folder, save_params
+from xlaserve.checkpoints.store import CONFIG_FILE, atomic_folder, check_output, save_params
 from xlaserve.models.config import ModelConfig
 
 
@@ -25,6 +25,7 @@ def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
                  quiet: bool = False) -> ModelConfig:
     from xlaserve.serving.tokenizer import tokenizer_from_gguf
 
+    check_output(out, overwrite)
     model = read_gguf(src)
     config = model.config
     with atomic_folder(out, overwrite) as tmp:
@@ -45,6 +46,7 @@ def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
     from xlaserve.serving.tokenizer import tokenizer_from_hf
 
     src = Path(src)
+    check_output(out, overwrite)
     if not src.is_dir():
         raise CheckpointError(f"{src}: no such directory")
     cfg_path = src / "config.json"

@@ -32,14 +32,18 @@ CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
 
 
+def check_output(out: str | Path, overwrite: bool) -> None:
+    if Path(out).exists() and not overwrite:
+        raise CheckpointError(f"{out}: already exists (pass --overwrite to replace it)")
+
+
 @contextmanager
 def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of `out`; rename it to `out` only if the block succeeds.
 
     A failed or interrupted conversion leaves no half-written model folder behind."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out}: already exists (pass --overwrite to replace it)")
+    check_output(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

@@ -1,0 +1,93 @@
+"""Bad inputs to `xlaserve convert`: one clear line naming the file, and nothing half-written."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xlaserve.checkpoints.convert import convert_gguf, convert_hf
+from xlaserve.checkpoints.errors import CheckpointError
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "xlaserve.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def _no_leftovers(out: Path) -> None:
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp")]
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    r = _cli("convert", "gguf", str(tmp_path / "nope.gguf"), str(tmp_path / "out"))
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    assert "nope.gguf: no such file" in r.stderr
+    _no_leftovers(tmp_path / "out")
+
+
+def test_corrupt_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a gguf file at all" * 100)
+    r = _cli("convert", "gguf", str(bad), str(tmp_path / "out"))
+    assert r.returncode == 2 and "bad.gguf" in r.stderr and "not a readable GGUF" in r.stderr
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    _no_leftovers(tmp_path / "out")
+
+
+def test_truncated_gguf(tmp_path: Path, gguf_file: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    with open(gguf_file, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(gguf_file.stat().st_size // 2))
+    with pytest.raises(CheckpointError, match=r"cut\.gguf.*truncated|cut\.gguf.*not a readable"):
+        convert_gguf(cut, tmp_path / "out", quiet=True)
+    _no_leftovers(tmp_path / "out")
+    r = _cli("convert", "gguf", str(cut), str(tmp_path / "out"))
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"gpt2\.gguf: unsupported architecture 'gpt2'"):
+        convert_gguf(path, tmp_path / "out", quiet=True)
+    _no_leftovers(tmp_path / "out")
+
+
+def test_failure_midway_leaves_nothing(tmp_path: Path, model_dir: Path) -> None:
+    """An HF folder whose safetensors lack a layer fails after writing has begun."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text(
+        '{"model_type": "llama", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,'
+        ' "num_hidden_layers": 2, "num_attention_heads": 2}')
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"model.embed_tokens.weight": np.zeros((16, 8), np.float32),
+               "model.norm.weight": np.ones(8, np.float32)}, str(src / "model.safetensors"))
+    shutil.copy(model_dir / "tokenizer.json", src / "tokenizer.json")
+    with pytest.raises(CheckpointError, match="model.layers.0.*missing"):
+        convert_hf(src, tmp_path / "out", quiet=True)
+    _no_leftovers(tmp_path / "out")
+
+
+def test_refuses_to_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(CheckpointError, match="already exists"):
+        convert_hf(tmp_path, out, quiet=True)
