@@ -87,6 +87,9 @@ class KVCacheManager:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def request_ids(self) -> frozenset[str]:
+        return frozenset(self._requests)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
