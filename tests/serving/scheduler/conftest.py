@@ -15,9 +15,9 @@ def make() -> Iterator[Callable[..., Scheduler]]:
     made: list[Scheduler] = []
 
     def build(**overrides: object) -> Scheduler:
-        base: dict[str, object] = dict(num_kv_blocks=33, block_size=4, max_num_seqs=8,
-                                       max_num_batched_tokens=64, max_prefill_chunk=64,
-                                       max_model_len=256, aging_seconds=float("inf"))
+        base: dict[str, object] = {"num_kv_blocks": 33, "block_size": 4, "max_num_seqs": 8,
+                                   "max_num_batched_tokens": 64, "max_prefill_chunk": 64,
+                                   "max_model_len": 256, "aging_seconds": float("inf")}
         base.update(overrides)
         s = Scheduler(SchedulerConfig(**base))  # type: ignore[arg-type]
         made.append(s)
