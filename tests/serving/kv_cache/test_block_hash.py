@@ -17,8 +17,9 @@ REPO = str(Path(__file__).resolve().parents[3])
 def test_hash_is_stable_across_processes() -> None:
     code = ("from xlaserve.serving.kv_cache import block_hash;"
             "print(block_hash(None, [1, 2, 3], 'acme').hex())")
+    env = {**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": REPO}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env={**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": REPO})
+                         check=True, env=env)
     assert out.stdout.strip() == block_hash(None, [1, 2, 3], "acme").hex()
     assert len(block_hash(None, [1, 2, 3], "")) == 16
 

@@ -35,7 +35,7 @@ def step(s: Scheduler, now: float = 0.0) -> StepPlan:
     plan = s.schedule(now)
     s.update(plan, samples(plan))
     for rid in plan.sampling_ids:
-        if rid in s._seqs and s.length_finish_reason(rid):
+        if rid in s and s.length_finish_reason(rid):
             s.finish(rid, "length")
     s.check_integrity()
     return plan

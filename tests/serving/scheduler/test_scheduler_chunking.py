@@ -75,7 +75,7 @@ def test_max_model_len_caps_output(make: Callable[..., Scheduler]) -> None:
     s.add(req("A", 4, max_tokens=100))
     step(s)                                                # samples position 4
     step(s)                                                # samples position 5: finished
-    assert "A" not in s._seqs
+    assert "A" not in s
     assert s.stats().num_finished == 1
 
 

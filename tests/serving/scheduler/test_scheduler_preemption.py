@@ -31,7 +31,7 @@ def test_preempt_latest_then_recompute_hits_own_blocks(make: Callable[..., Sched
     assert s.stats().num_preemptions == 1
     # Nobody fits yet; then requeued B is admitted ahead of D (same tier, D arrived earlier).
     assert rows(step(s)) == [("A", 9, 1, True)]          # A reaches max_tokens=4: finished
-    assert "A" not in s._seqs
+    assert "A" not in s
     p = step(s)
     # B recomputes 7 prompt + 2 generated tokens; its first block is a hit (4 tokens).
     assert rows(p) == [("B", 4, 5, True), ("D", 0, 3, True)]
@@ -39,7 +39,7 @@ def test_preempt_latest_then_recompute_hits_own_blocks(make: Callable[..., Sched
     assert s.request_state("B").num_cached_tokens == 0   # usage counts the first admission
     assert s.kv_cache.prefix_cache_stats.hit_tokens == 4
     step(s)                                              # B samples its 4th token: finished
-    assert s.request_state("D").status == "running" and "B" not in s._seqs
+    assert s.request_state("D").status == "running" and "B" not in s
     s.abort("D")
     usage = s.stats().kv_cache
     assert usage.num_used_blocks == 0

@@ -50,8 +50,8 @@ def run_stream(make: Callable[..., Scheduler], aging: float, steps: int) -> list
         s.add(req(f"paid{t}", 4, max_tokens=1, tier=Tier.PAID, arrival=float(t)))
         p = step(s, now=float(t))                   # max_tokens=1: each finishes in its step
         served += [r.request_id for r in p.rows]
-    for rid in [*s._seqs]:
-        s.abort(rid)
+    for rid in ["free", *(f"paid{i}" for i in range(steps))]:
+        s.abort(rid)                                # None for those already finished
     return served
 
 

@@ -273,6 +273,10 @@ class Scheduler:
     def request_state(self, request_id: str) -> RequestState:
         return RequestState.of(self._get(request_id))
 
+    def __contains__(self, request_id: str) -> bool:
+        """True while the request is waiting or running (not yet finished or aborted)."""
+        return request_id in self._seqs
+
     @property
     def num_running(self) -> int:
         return len(self._running)
