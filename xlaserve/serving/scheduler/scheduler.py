@@ -1,0 +1,318 @@
+"""Iteration-level scheduling under a token budget, with one rule for every row.
+
+Each step, every scheduled sequence gets
+
+    n = min(max_prefill_chunk, budget_left, len(all_token_ids) - num_computed_tokens)
+
+tokens, starting at position num_computed_tokens; when the step brings num_computed_tokens to
+len(all_token_ids), the row samples. A decode is the case of one remaining token; a chunked
+prefill is the case of many; a prefix hit starts num_computed_tokens at the hit length; a
+preempted request restarts at 0 with its generated tokens recomputed as prompt (it samples only
+past them, so nothing is emitted twice). Order within a step:
+
+    1. running sequences with one token left (decodes), in priority order
+    2. running sequences with more left (prefill chunks), in priority order
+    3. waiting sequences, in priority order, while max_num_seqs, the budget and the KV pool allow
+       (skipped in a step that had to preempt; stops at the first that does not fit)
+
+A running sequence that cannot get blocks preempts the lowest-priority, latest running sequence
+(possibly itself) until it fits: blocks freed, num_computed_tokens = 0, back to waiting ahead of
+its equal-priority peers. `add` rejects a request that could not fit the pool even alone.
+
+Pipelining. `schedule()` may run again before the previous plan's samples are known. A row that
+samples appends PENDING_TOKEN to its sequence at once, so the next step schedules it as a
+one-token decode whose input is the placeholder; the runner substitutes the token sampled on
+device. `update(plan, sampled)` later overwrites the placeholder; plans are updated in order.
+
+    host    schedule(0)  schedule(1)  update(0)  schedule(2)  update(1)  ...
+    device       |--- step 0 ---|--- step 1 ---|--- step 2 ---|
+    S.all   [p p p P]    [p p p P P]  [p p p 42 P]  [p p p 42 P P]  [p p p 42 7 P]
+    S row   (prefill)    token_ids=(P,), start_position=3 (P = 42, fed on device)
+
+Alternating schedule(n), update(n), schedule(n+1) never feeds a placeholder. If the engine ends
+S after update(0) (eos, stop string) while step 1 already holds S's row, finish() frees S's
+blocks at once: step 1's extra row still writes into them on device, but only plans built later
+can reuse them and the device runs those later; update(1) then drops S's sample. A preempted
+sequence with a placeholder is not re-admitted until update() fills it in.
+
+Prefix-cache hits are registered between steps (start of `schedule`, preemption, finish), so a
+hit always reads KV that an earlier device step wrote.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from xlaserve.serving.kv_cache import KVCacheManager
+from xlaserve.serving.scheduler.config import SchedulerConfig
+from xlaserve.serving.scheduler.priority import priority_key, waiting_key
+from xlaserve.serving.scheduler.scheduler_stats import SchedulerStats
+from xlaserve.serving.scheduler.sequence import (
+    PENDING_TOKEN,
+    RequestState,
+    Sequence,
+    SequenceStatus,
+)
+from xlaserve.serving.scheduler.step_plan import ScheduledSeq, StepPlan
+from xlaserve.serving.types import GenerationRequest
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass
+class _Draft:
+    """One step under construction: tokens per sequence, in scheduling order."""
+
+    budget: int
+    entries: dict[str, tuple[Sequence, int]] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.entries[seq.request_id] = (seq, n)
+        self.budget -= n
+
+    def drop(self, seq: Sequence) -> None:
+        """`seq` was preempted: give back what it was given this step."""
+        self.preempted.append(seq.request_id)
+        entry = self.entries.pop(seq.request_id, None)
+        if entry is not None:
+            self.budget += entry[1]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size,
+                                       enable_prefix_caching=config.enable_prefix_caching)
+        self._seqs: dict[str, Sequence] = {}
+        self._running: dict[str, Sequence] = {}
+        self._waiting: dict[str, Sequence] = {}
+        self._in_flight: deque[tuple[int, frozenset[str]]] = deque()  # plans awaiting update
+        self._next_seq_no = 0
+        self._num_steps = 0
+        self._num_preemptions = 0
+        self._num_finished = 0
+
+    # ---- requests in and out --------------------------------------------------------------
+
+    def add(self, request: GenerationRequest) -> None:
+        """Queue a request; ValueError when it could never run."""
+        rid, prompt, cfg = request.request_id, request.prompt_token_ids, self.config
+        if rid in self._seqs or any(rid in ids for _, ids in self._in_flight):
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if not prompt:
+            raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
+        if min(prompt) < 0:
+            raise ValueError(f"request {rid!r}: negative token id {min(prompt)} in the prompt")
+        if len(prompt) >= cfg.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt has {len(prompt)} tokens, max_model_len="
+                             f"{cfg.max_model_len} leaves no room for output")
+        # The last sampled token never needs KV: at most max_len - 1 positions are computed.
+        max_len = min(len(prompt) + request.sampling.max_tokens, cfg.max_model_len)
+        need = self.kv_cache.blocks_needed(max_len - 1)
+        if need > cfg.num_usable_blocks:
+            raise ValueError(f"request {rid!r}: up to {max_len} tokens need {need} KV blocks of "
+                             f"{cfg.block_size}, the pool has {cfg.num_usable_blocks}")
+        seq = Sequence.from_request(request, self._next_seq_no)
+        self._next_seq_no += 1
+        self._seqs[rid] = seq
+        self._waiting[rid] = seq
+
+    def finish(self, request_id: str, reason: str) -> RequestState:
+        """End a request the engine decided is done; frees its blocks (hashed ones stay
+        cached). A row of it in a plan not yet updated is dropped by `update`."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason {reason!r}: expected one of {FINISH_REASONS}")
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            raise ValueError(f"unknown request {request_id!r} (never added, or already ended)")
+        if seq.status is SequenceStatus.RUNNING:
+            self._cache_computed(seq)
+            self.kv_cache.free(request_id)
+            del self._running[request_id]
+        else:
+            del self._waiting[request_id]
+        self._num_finished += 1
+        return RequestState.of(seq, reason)
+
+    def abort(self, request_id: str) -> RequestState | None:
+        """End a request in any phase; None when it is unknown or already ended."""
+        if request_id not in self._seqs:
+            return None
+        return self.finish(request_id, "abort")
+
+    def length_finish_reason(self, request_id: str) -> str | None:
+        """"length" once the reported tokens reach max_tokens or max_model_len."""
+        seq = self._get(request_id)
+        done = seq.output_limit_reached(self.config.max_model_len, known_only=True)
+        return "length" if done else None
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> StepPlan:
+        """Plan the next device step at time `now` (the clock the requests' times use)."""
+        cfg = self.config
+        for seq in self._running.values():
+            self._cache_computed(seq)
+        draft = _Draft(cfg.max_num_batched_tokens)
+        order = sorted(self._running.values(),
+                       key=lambda s: priority_key(s, now, cfg.aging_seconds))
+        decodes = [s for s in order if s.num_remaining == 1]
+        chunks = [s for s in order if s.num_remaining > 1]
+        for seq in decodes + chunks:
+            if draft.budget == 0:
+                break
+            if (seq.status is not SequenceStatus.RUNNING    # preempted earlier in this step
+                    or seq.output_limit_reached(cfg.max_model_len, known_only=False)):
+                continue
+            n = min(cfg.max_prefill_chunk, draft.budget, seq.num_remaining)
+            if self._reserve_or_preempt(seq, n, draft, now):
+                draft.add(seq, n)
+        if not draft.preempted:
+            self._admit(draft, now)
+        return self._emit(draft)
+
+    def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> dict[str, int]:
+        """Fill in the tokens `plan` sampled; returns those of requests still alive (the ones
+        to emit). Every non-empty plan is updated once, in the order they were made."""
+        if plan.is_empty:
+            if sampled:
+                raise ValueError(f"step {plan.step_id} is empty, got samples for {list(sampled)}")
+            return {}
+        expected = self._in_flight[0][0] if self._in_flight else None
+        if plan.step_id != expected:
+            raise ValueError(f"update for step {plan.step_id}, expected step {expected}: "
+                             "update each non-empty plan once, in order")
+        rows = {r.request_id: r for r in plan.rows if r.sample}
+        extra = sorted(set(sampled) - set(rows))
+        live = {rid: r for rid, r in rows.items() if rid in self._seqs}
+        missing = sorted(set(live) - set(sampled))
+        negative = {rid: t for rid, t in sampled.items() if t < 0}
+        if extra or missing or negative:
+            raise ValueError(f"step {plan.step_id}: samples for non-sampling rows {extra}, "
+                             f"missing for {missing}, negative {negative}")
+        self._in_flight.popleft()
+        for rid, row in live.items():
+            tokens = self._seqs[rid].all_token_ids
+            assert tokens[row.sample_position] == PENDING_TOKEN, (rid, row.sample_position)
+            tokens[row.sample_position] = sampled[rid]
+        return {rid: sampled[rid] for rid in live}
+
+    def _reserve_or_preempt(self, seq: Sequence, n: int, draft: _Draft, now: float) -> bool:
+        """Reserve slots for n more tokens of running `seq`, preempting the lowest-priority,
+        latest running sequences until they fit; False when `seq` itself was the victim."""
+        aging = self.config.aging_seconds
+        while not self.kv_cache.allocate_slots(seq.request_id, n):
+            victim = max(self._running.values(), key=lambda s: priority_key(s, now, aging))
+            self._preempt(victim)
+            draft.drop(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, draft: _Draft, now: float) -> None:
+        cfg = self.config
+        for seq in sorted(self._waiting.values(),
+                          key=lambda s: waiting_key(s, now, cfg.aging_seconds)):
+            if len(self._running) >= cfg.max_num_seqs or draft.budget == 0:
+                return
+            if seq.num_pending or seq.output_limit_reached(cfg.max_model_len, known_only=False):
+                continue  # waits for update() / for the engine to finish it
+            prefix = self.kv_cache.find_cached_prefix(seq.all_token_ids, seq.request.tenant)
+            n = min(cfg.max_prefill_chunk, draft.budget, seq.num_tokens - prefix.num_tokens)
+            if not self.kv_cache.allocate_slots(seq.request_id, n, prefix):
+                return  # strict priority: nobody jumps a request that does not fit
+            seq.num_computed_tokens = prefix.num_tokens
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = prefix.num_tokens
+            seq.status, seq.requeued = SequenceStatus.RUNNING, False
+            del self._waiting[seq.request_id]
+            self._running[seq.request_id] = seq
+            draft.add(seq, n)
+
+    def _emit(self, draft: _Draft) -> StepPlan:
+        bs = self.config.block_size
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        for rid, (seq, n) in draft.entries.items():
+            start = seq.num_computed_tokens
+            table = self.kv_cache.block_table(rid)
+            sample = start + n == seq.num_tokens
+            row = ScheduledSeq(rid, tuple(seq.all_token_ids[start:start + n]), start, table,
+                               tuple(table[p // bs] * bs + p % bs for p in range(start, start + n)),
+                               sample)
+            seq.num_computed_tokens += n
+            if sample:
+                seq.all_token_ids.append(PENDING_TOKEN)
+            (decodes if n == 1 and sample else prefills).append(row)
+        plan = StepPlan(self._num_steps, tuple(decodes), tuple(prefills), tuple(draft.preempted))
+        self._num_steps += 1
+        if not plan.is_empty:
+            self._in_flight.append((plan.step_id, frozenset(draft.entries)))
+        return plan
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._cache_computed(seq)  # so the recompute can hit its own full blocks
+        self.kv_cache.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.status, seq.requeued = SequenceStatus.WAITING, True
+        seq.num_preemptions += 1
+        self._num_preemptions += 1
+        del self._running[seq.request_id]
+        self._waiting[seq.request_id] = seq
+
+    def _cache_computed(self, seq: Sequence) -> None:
+        """Register the full blocks of tokens already scheduled and known (not placeholders)."""
+        k = min(seq.num_computed_tokens, seq.num_known_tokens)
+        self.kv_cache.cache_blocks(seq.request_id, seq.all_token_ids, k)
+
+    # ---- reporting ------------------------------------------------------------------------
+
+    def request_state(self, request_id: str) -> RequestState:
+        return RequestState.of(self._get(request_id))
+
+    def __contains__(self, request_id: str) -> bool:
+        """True while the request is waiting or running (not yet finished or aborted)."""
+        return request_id in self._seqs
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self._running), len(self._waiting), self._num_preemptions,
+                              self._num_finished, self._num_steps, self.kv_cache.usage(),
+                              self.kv_cache.prefix_cache_stats)
+
+    def check_integrity(self) -> None:
+        self.kv_cache.check_integrity()
+        assert not self._running.keys() & self._waiting.keys(), "running and waiting overlap"
+        assert self._running.keys() | self._waiting.keys() == self._seqs.keys(), "lost a request"
+        assert self.kv_cache.request_ids() == self._running.keys(), "blocks held by non-running"
+        assert len(self._running) <= self.config.max_num_seqs, "too many running"
+        for rid, seq in self._seqs.items():
+            known = seq.num_known_tokens
+            assert PENDING_TOKEN not in seq.all_token_ids[:known], f"{rid}: placeholder inside"
+            assert seq.num_pending <= len(self._in_flight), f"{rid}: placeholder never updated"
+            if seq.status is SequenceStatus.RUNNING:
+                assert rid in self._running
+                assert 0 < seq.num_computed_tokens <= seq.num_tokens, rid
+                assert self.kv_cache.num_tokens(rid) == seq.num_computed_tokens, rid
+            else:
+                assert rid in self._waiting and seq.num_computed_tokens == 0, rid
+
+    def _get(self, request_id: str) -> Sequence:
+        try:
+            return self._seqs[request_id]
+        except KeyError:
+            raise ValueError(f"unknown request {request_id!r}") from None

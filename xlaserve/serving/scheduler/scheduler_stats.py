@@ -1,0 +1,22 @@
+"""What the scheduler reports to /metrics: queue sizes, preemptions, KV usage, prefix hits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xlaserve.serving.kv_cache import KVCacheUsage, PrefixCacheStats
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int      # total since start
+    num_finished: int         # total since start, every reason
+    num_steps: int            # plans emitted, empty ones included
+    kv_cache: KVCacheUsage
+    prefix_cache: PrefixCacheStats
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_cache.hit_rate

@@ -1,0 +1,66 @@
+"""The step plan: the only thing the scheduler hands the runner, plain frozen data.
+
+    StepPlan.decodes   rows of exactly one token that sample (the decode bucket)
+    StepPlan.prefills  every other row: prompt chunks, a last chunk samples
+
+Row r feeds token_ids at positions start_position .. end_position - 1, writes their KV to
+slot_mapping (block_id * block_size + offset), attends over block_table, and when `sample`,
+samples the token for position end_position. A token equal to PENDING_TOKEN is the token this
+request sampled in the previous step, still on device: the runner substitutes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request_id: str
+    token_ids: tuple[int, ...]       # [num_tokens] input ids; PENDING_TOKEN = previous sample
+    start_position: int              # position of token_ids[0] = tokens already in the cache
+    block_table: tuple[int, ...]     # [num_blocks] physical block ids, covers end_position
+    slot_mapping: tuple[int, ...]    # [num_tokens] cache slot of each input token
+    sample: bool                     # this row's last token completes the sequence: sample
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_position(self) -> int:
+        """Tokens in the cache after this step (the row's kv_len)."""
+        return self.start_position + len(self.token_ids)
+
+    @property
+    def sample_position(self) -> int:
+        """Index in all_token_ids of the token this row samples."""
+        return self.end_position
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    decodes: tuple[ScheduledSeq, ...] = ()
+    prefills: tuple[ScheduledSeq, ...] = ()
+    preempted: tuple[str, ...] = ()  # request ids preempted (blocks freed) by this step
+
+    @property
+    def rows(self) -> tuple[ScheduledSeq, ...]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decodes) + len(self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def sampling_ids(self) -> tuple[str, ...]:
+        return tuple(r.request_id for r in self.rows if r.sample)
