@@ -126,6 +126,16 @@ class BlockPool:
                 else:
                     self._evictable[block] = None
 
+    def forget_hashes(self) -> None:
+        """Drop every block hash (the device cache contents were lost): cached free blocks
+        become plain free blocks and no later request can hit them."""
+        for block, h in enumerate(self._hashes):
+            if h is not None:
+                self._hashes[block] = None
+        self._hash_to_block.clear()
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+
     def cache(self, block_id: int, block_hash: bytes) -> bool:
         """Register an in-use full block under `block_hash`; False when another block already
         holds that prefix (the newer copy stays unhashed and is freed as garbage)."""

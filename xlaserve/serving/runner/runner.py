@@ -102,14 +102,20 @@ class ModelRunner:
         kv_sharding = named_sharding(mesh, KV_AXES)
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         dtype = jnp.dtype(kv_dtype or config.dtype)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
-        self.kv = KVCache(zeros(), zeros())
-        self.token_slots = jax.device_put(np.zeros(max_num_seqs + 1, np.int32), self.replicated)
+        self._new_kv = jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
+                               out_shardings=KVCache(kv_sharding, kv_sharding))
+        self.reset_state()
         self._zero_bias: dict[int, jax.Array] = {}
         self._compiled: dict[tuple[int, int, int], Any] = {}
         self._jitted = jax.jit(_step, static_argnames=("config", "backend"),
                                donate_argnames=("kv", "token_slots"))
         self.warmup_seconds = 0.0
+
+    def reset_state(self) -> None:
+        """Fresh device state: an all-zero KV cache and token slots (at start, and after a
+        failed call may have consumed the donated buffers)."""
+        self.kv = self._new_kv()
+        self.token_slots = self._put(np.zeros(self.max_num_seqs + 1, np.int32))
 
     # -- compilation ---------------------------------------------------------------------------
 

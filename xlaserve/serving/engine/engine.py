@@ -1,0 +1,230 @@
+"""The engine: scheduler + runner + per-request output state, one `step()` at a time.
+
+    add(request) ──> scheduler queue
+    step():  plan = scheduler.schedule()          host: which rows run, with which blocks
+             calls = runner.run(plan rows)        device: launched, not awaited
+             process the previous step's calls    host: fetch tokens (the device is busy with
+                                                  this step meanwhile), detokenize, stop checks,
+                                                  events, finish
+    abort(id) ──> frees its blocks at once
+
+With `pipelined`, step n+1 is scheduled and launched before step n's tokens are read back:
+rows whose input is the token sampled in step n carry a placeholder the runner fills on device.
+Requests with presence/frequency penalties need their last token on the host, so a step that has
+any is processed before the next is scheduled.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from xlaserve.models.config import ModelConfig
+from xlaserve.models.llama import Params
+from xlaserve.serving.engine.config import EngineConfig
+from xlaserve.serving.engine.request_state import OutputState
+from xlaserve.serving.runner.runner import CallResult, ModelRunner, RowInput, RowSampling
+from xlaserve.serving.scheduler import Scheduler
+from xlaserve.serving.scheduler.step_plan import ScheduledSeq, StepPlan
+from xlaserve.serving.tokenizer import Tokenizer
+from xlaserve.serving.types import EngineEvent, GenerationRequest, TokenLogprob, Usage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    plan: StepPlan
+    calls: list[tuple[CallResult, list[ScheduledSeq]]]
+
+
+class LLMEngine:
+    def __init__(self, params: Params, config: ModelConfig, tokenizer: Tokenizer, mesh,
+                 engine_config: EngineConfig = EngineConfig(), *,
+                 runner: ModelRunner | None = None):
+        """`runner` shares an existing runner (and its compiled buckets); the scheduler may
+        then use fewer KV blocks than the runner holds, e.g. to force preemption in a test."""
+        self.model_config = config
+        self.config = engine_config
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(engine_config.scheduler_config)
+        if runner is None:
+            runner = ModelRunner(params, config, mesh, num_blocks=engine_config.num_kv_blocks,
+                                 block_size=engine_config.block_size,
+                                 max_num_seqs=engine_config.max_num_seqs,
+                                 buckets=engine_config.bucket_plan,
+                                 attention_backend=engine_config.attention_backend)
+        elif (runner.num_blocks < engine_config.num_kv_blocks
+              or runner.max_num_seqs < engine_config.max_num_seqs
+              or runner.block_size != engine_config.block_size):
+            raise ValueError(f"runner (blocks={runner.num_blocks}, seqs={runner.max_num_seqs}, "
+                             f"block_size={runner.block_size}) is smaller than {engine_config}")
+        self.runner = runner
+        self._outputs: dict[str, OutputState] = {}
+        self._slots: dict[str, int] = {}
+        self._free_slots = list(range(engine_config.max_num_seqs, 0, -1))
+        self._in_flight: deque[_Launched] = deque()
+        self._rng = random.Random(engine_config.seed)
+        self._aborted: list[EngineEvent] = []
+        self.num_steps = 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add(self, request: GenerationRequest) -> None:
+        """Queue a request (ValueError when it can never run: bad ids, too long, ...)."""
+        if request.request_id in self._outputs:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} are outside "
+                             f"the vocabulary [0, {vocab})")
+        if not request.arrival_time:
+            request.arrival_time = time.monotonic()
+        self.scheduler.add(request)
+        seed = request.sampling.seed
+        if seed is None:
+            seed = self._rng.getrandbits(32)
+        self._outputs[request.request_id] = OutputState.create(
+            request, self.tokenizer, seed, self.model_config.eos_token_ids, vocab)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request in any phase and free its blocks; False if it is unknown/finished."""
+        if request_id not in self._outputs:
+            return False
+        state = self.scheduler.abort(request_id)
+        self._aborted.append(self._final(request_id, "abort", state))
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._in_flight) or bool(self._aborted)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineEvent]:
+        events, self._aborted = self._aborted, []
+        if self._in_flight and (not self.config.pipelined or self._needs_host_tokens()):
+            events += self._process(self._in_flight.popleft())
+        plan = self.scheduler.schedule(time.monotonic())
+        for rid in plan.preempted:  # recomputed from known tokens: its slot is not needed
+            self._release_slot(rid)
+        if not plan.is_empty:
+            launched = _Launched(plan, [])
+            self._in_flight.append(launched)  # before launching: a failure must see it
+            self._launch(launched)
+            self.num_steps += 1
+        keep = 1 if (self.config.pipelined and not plan.is_empty) else 0
+        while len(self._in_flight) > keep:
+            events += self._process(self._in_flight.popleft())
+        return events
+
+    def run_until_done(self) -> Iterator[EngineEvent]:
+        while self.has_work():
+            yield from self.step()
+
+    def _needs_host_tokens(self) -> bool:
+        return any(self._outputs[r.request_id].uses_penalties
+                   for launched in self._in_flight for r in launched.plan.rows
+                   if r.request_id in self._outputs)
+
+    def _slot(self, request_id: str) -> int:
+        if request_id not in self._slots:
+            self._slots[request_id] = self._free_slots.pop()
+        return self._slots[request_id]
+
+    def _row(self, row: ScheduledSeq) -> RowInput:
+        state = self._outputs[row.request_id]
+        sampling = None
+        if row.sample:
+            s = state.request.sampling
+            counter = row.sample_position - len(state.request.prompt_token_ids)
+            sampling = RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                   min_p=s.min_p, seed=state.seed, counter=counter,
+                                   bias=state.penalty_bias())
+        return RowInput(row.token_ids, row.start_position, row.block_table,
+                        self._slot(row.request_id), row.sample, sampling or RowSampling())
+
+    def _launch(self, launched: _Launched) -> None:
+        plan, calls = launched.plan, launched.calls
+        buckets = self.runner.buckets
+        if plan.decodes:
+            rows = list(plan.decodes)
+            calls.append((self.runner.run([self._row(r) for r in rows], 1), rows))
+        groups: dict[int, list[ScheduledSeq]] = {}
+        for r in plan.prefills:
+            groups.setdefault(buckets.chunk(r.num_tokens), []).append(r)
+        for chunk, rows in sorted(groups.items()):
+            most = buckets.prefill_rows(chunk)[-1]
+            for i in range(0, len(rows), most):
+                part = rows[i:i + most]
+                calls.append((self.runner.run([self._row(r) for r in part], chunk), part))
+
+    def _process(self, launched: _Launched) -> list[EngineEvent]:
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
+        for call, rows in launched.calls:
+            host = call.fetch()
+            for i, row in enumerate(rows):
+                if not row.sample:
+                    continue
+                sampled[row.request_id] = int(host["tokens"][i])
+                k = self._outputs[row.request_id].request.sampling.logprobs \
+                    if row.request_id in self._outputs else None
+                if k is not None:
+                    top = tuple((int(t), float(lp)) for t, lp in
+                                zip(host["top_ids"][i][:k], host["top_logprobs"][i][:k]))
+                    logprobs[row.request_id] = TokenLogprob(int(host["tokens"][i]),
+                                                            float(host["logprob"][i]), top)
+        live = self.scheduler.update(launched.plan, sampled)
+        events: list[EngineEvent] = []
+        for rid, token in live.items():
+            state = self._outputs[rid]
+            event, reason = state.accept(token, logprobs.get(rid))
+            if reason is None:
+                reason = self.scheduler.length_finish_reason(rid)
+                if reason is not None:
+                    event = EngineEvent(rid, event.token_ids, event.text + state.flush_text(),
+                                        event.logprobs)
+            if reason is None:
+                events.append(event)
+                continue
+            final = self._final(rid, reason, self.scheduler.finish(rid, reason))
+            events.append(EngineEvent(rid, event.token_ids, event.text, event.logprobs,
+                                      final.finish_reason, final.usage))
+        return events
+
+    def fail_in_flight(self, error: str) -> list[EngineEvent]:
+        """A device step raised, and the donated KV arrays may be gone with it: end every
+        running or in-flight request with an error, forget the prefix cache, and go on from a
+        fresh KV cache.  Waiting requests (holding no blocks) are served afterwards."""
+        victims = set(self.scheduler.kv_cache.request_ids())
+        for launched in self._in_flight:
+            victims.update(r.request_id for r in launched.plan.rows)
+        events = list(self._aborted)
+        self._aborted = []
+        for rid in sorted(victims):
+            if rid in self.scheduler:
+                final = self._final(rid, "error", self.scheduler.finish(rid, "error"))
+                events.append(EngineEvent(rid, finish_reason="error", usage=final.usage,
+                                          error=error))
+        while self._in_flight:
+            self.scheduler.update(self._in_flight.popleft().plan, {})
+        self.scheduler.kv_cache.pool.forget_hashes()
+        self.runner.reset_state()
+        return events
+
+    def _release_slot(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def _final(self, request_id: str, reason: str, state) -> EngineEvent:
+        out = self._outputs.pop(request_id)
+        self._release_slot(request_id)
+        cached = state.num_cached_tokens if state is not None else 0
+        usage = Usage(len(out.request.prompt_token_ids), len(out.output_ids), cached)
+        return EngineEvent(request_id, finish_reason=reason, usage=usage)

@@ -1,0 +1,67 @@
+"""Host-side output state of one request: detokenizer, stop strings, logprobs, penalties."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from xlaserve.serving.engine.stop_strings import StopStringMatcher
+from xlaserve.serving.tokenizer import IncrementalDetokenizer, Tokenizer
+from xlaserve.serving.types import EngineEvent, GenerationRequest, TokenLogprob
+
+
+@dataclass
+class OutputState:
+    request: GenerationRequest
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    seed: int
+    stop_ids: frozenset[int]
+    vocab_size: int
+    output_ids: list[int] = field(default_factory=list)
+    counts: dict[int, int] = field(default_factory=dict)
+    first_token_time: float | None = None
+    finished: bool = False
+
+    @classmethod
+    def create(cls, request: GenerationRequest, tokenizer: Tokenizer, seed: int,
+               eos_ids: tuple[int, ...], vocab_size: int) -> "OutputState":
+        s = request.sampling
+        stop_ids = frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos
+                                                  else frozenset(eos_ids))
+        return cls(request, IncrementalDetokenizer(tokenizer, request.prompt_token_ids),
+                   StopStringMatcher(s.stop), seed, stop_ids, vocab_size)
+
+    @property
+    def uses_penalties(self) -> bool:
+        s = self.request.sampling
+        return s.presence_penalty != 0 or s.frequency_penalty != 0
+
+    def penalty_bias(self) -> np.ndarray | None:
+        """[V] additive bias from the generated tokens so far, or None."""
+        if not self.uses_penalties or not self.counts:
+            return None
+        s = self.request.sampling
+        ids = np.fromiter(self.counts.keys(), np.int64)
+        cnt = np.fromiter(self.counts.values(), np.float32)
+        bias = np.zeros(self.vocab_size, np.float32)
+        bias[ids] = -(s.presence_penalty + s.frequency_penalty * cnt)
+        return bias
+
+    def accept(self, token: int, logprob: TokenLogprob | None) -> tuple[EngineEvent, str | None]:
+        """Take one sampled token: the event to stream and a finish reason if it ends here."""
+        rid = self.request.request_id
+        self.output_ids.append(token)
+        self.counts[token] = self.counts.get(token, 0) + 1
+        lps = (logprob,) if logprob is not None else ()
+        if token in self.stop_ids:
+            return EngineEvent(rid, (token,), self.stops.flush() + self.detok.flush(), lps), "stop"
+        text, stopped = self.stops.feed(self.detok.add(token))
+        if stopped:
+            return EngineEvent(rid, (token,), text, lps), "stop"
+        return EngineEvent(rid, (token,), text, lps), None
+
+    def flush_text(self) -> str:
+        text, stopped = self.stops.feed(self.detok.flush())
+        return text if stopped else text + self.stops.flush()
