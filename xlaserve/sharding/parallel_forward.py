@@ -10,7 +10,8 @@ Every device runs one program under `shard_map` over both mesh axes, on its own 
                        stage 0 reads the embedding, stage s > 0 what stage s-1 sent last tick;
                        runs its L/P layers (models.llama.decoder_layer, Megatron TP inside:
                        local heads / mlp slice, psum(tensor) after wo and after w_down);
-                       collective-permute(pipeline) the result to stage s + 1.
+                       collective-permute(pipeline) the result to stage s + 1 (stage 0
+                       receives nothing: it reads the next microbatch's embedding).
                      The last stage keeps finished microbatches; one psum(pipeline) hands the
                      [B, E] (or [B, T, E]) result to every stage.
       -> final norm, logits over the local vocab slice                 -> logits [B, (T,) V/tp]
@@ -225,7 +226,7 @@ def _pipeline(run_stage: Callable[..., tuple[jax.Array, ...]],
     stage = lax.axis_index("pipeline")
     is_last = stage == pp - 1
     drop_slot = jnp.int32(k_flat.shape[0])  # beyond every layer's slots: the write is dropped
-    shift = [(s, (s + 1) % pp) for s in range(pp)]
+    shift = [(s, s + 1) for s in range(pp - 1)]  # the last stage sends nothing back
     out_shape = jax.eval_shape(pick, xs[0], index_mb[0]).shape         # [B/m, (T,) E]
 
     def tick(carry: tuple[jax.Array, ...], t: jax.Array) -> tuple[Any, None]:
