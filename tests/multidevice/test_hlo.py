@@ -16,7 +16,8 @@ from xlaserve.sharding.parallel_forward import make_sharded_forward
 from .scenarios import BLOCK_SIZE, NUM_BLOCKS, TINY, decode_after_prefill, tiny_params
 
 
-def compiled_hlo(pipeline: int, tensor: int) -> str:
+def compiled_hlo(pipeline: int, tensor: int) -> tuple[str, tuple[int, ...]]:
+    """The decode step's optimised HLO, KV donated as the runner does; and the local KV shape."""
     mesh = make_mesh(MeshConfig(pipeline=pipeline, tensor=tensor))
     layout = ShardLayout.create(TINY, mesh)
     fwd = make_sharded_forward(TINY, mesh)
@@ -28,7 +29,8 @@ def compiled_hlo(pipeline: int, tensor: int) -> str:
         return fwd(params, TINY, jnp.asarray(step.tokens), jnp.asarray(step.positions), kv,
                    step.meta, logits_index=jnp.asarray(step.logits_index))
 
-    return jax.jit(go).lower(params, kv).compile().as_text()
+    hlo = jax.jit(go, donate_argnums=1).lower(params, kv).compile().as_text()
+    return hlo, kv.k.addressable_shards[0].data.shape
 
 
 def computations(hlo: str) -> dict[str, str]:
@@ -60,7 +62,7 @@ def count(text: str, op: str) -> int:
 @pytest.mark.parametrize("pipeline,tensor", [(1, 2), (2, 1), (2, 2)],
                          ids=["tp2", "pp2", "tp2xpp2"])
 def test_collectives_of_real_sharding(pipeline: int, tensor: int) -> None:
-    hlo = compiled_hlo(pipeline, tensor)
+    hlo, local_kv = compiled_hlo(pipeline, tensor)
     bodies = loop_bodies(hlo)
     assert bodies, "expected the layer scan to compile to a while loop"
     # Nothing is ever gathered: every device computes with its own weight slices and the logits
@@ -80,3 +82,9 @@ def test_collectives_of_real_sharding(pipeline: int, tensor: int) -> None:
         assert permutes == 1, permutes
     else:
         assert count(hlo, "collective-permute") == 0
+    # The donated cache is updated in place: aliased to the output, never copied whole.
+    assert "input_output_alias" in hlo
+    layers, blocks, block_size, heads, dim = local_kv
+    for shape in (local_kv, (layers * blocks * block_size, heads, dim)):
+        dims = ",".join(map(str, shape))
+        assert not re.search(rf"= f32\[{dims}\]\S* copy\(", hlo), f"KV {shape} copied"

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
 from xlaserve.checkpoints.store import load_config, load_params
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import KVCache, Params, init_kv_cache
+from xlaserve.models.llama import Params, init_kv_cache
 from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.mesh import MeshConfig, make_mesh, make_replica_meshes
 from xlaserve.sharding.parallel_forward import make_sharded_forward
 
-from .scenarios import (NUM_BLOCKS, TINY, TINY_GQA, BLOCK_SIZE, decode_after_prefill, make_step,
-                        ragged_prefill, reference, run, tiny_params, used_blocks)
+from .scenarios import (BLOCK_SIZE, NUM_BLOCKS, TINY, TINY_GQA, Step, decode_after_prefill,
+                        make_step, ragged_prefill, reference, run, tiny_params, used_blocks)
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def tiny_reference() -> tuple[Params, list]:
+def tiny_reference() -> tuple[Params, list[Step], list]:
     params = tiny_params(TINY)
     steps = [ragged_prefill(TINY.vocab_size), decode_after_prefill(TINY.vocab_size)]
     kv = init_kv_cache(TINY, NUM_BLOCKS, BLOCK_SIZE)
@@ -45,8 +44,8 @@ def check_on_mesh(mesh, params, config: ModelConfig, steps, expected) -> list[fl
     return errors
 
 
-@pytest.mark.parametrize("pipeline,tensor", [(1, 2), (1, 4), (2, 1), (4, 1), (2, 2)],
-                         ids=["tp2", "tp4", "pp2", "pp4", "tp2xpp2"])
+@pytest.mark.parametrize("pipeline,tensor", [(1, 1), (1, 2), (1, 4), (2, 1), (4, 1), (2, 2)],
+                         ids=["one-device-mesh", "tp2", "tp4", "pp2", "pp4", "tp2xpp2"])
 def test_layout_matches_one_device(tiny_reference, pipeline: int, tensor: int) -> None:
     params, steps, expected = tiny_reference
     mesh = make_mesh(MeshConfig(pipeline=pipeline, tensor=tensor))

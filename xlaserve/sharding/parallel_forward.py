@@ -55,10 +55,10 @@ def _shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any)
     Unchecked because the pipeline's loop carries change from replicated to per-stage values,
     and the call that marks them (pvary / pcast) differs between jax releases.  Replication of
     the outputs is ensured by construction (psum over the axes they are replicated on)."""
-    if hasattr(jax, "shard_map"):
+    if hasattr(jax, "shard_map"):   # jax >= 0.7 (0.10 here, 0.11 on the GPU machines)
         return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              check_vma=False)
-    from jax.experimental.shard_map import shard_map  # jax < 0.7
+    from jax.experimental.shard_map import shard_map
 
     return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
