@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,8 +25,8 @@ from jax.sharding import Mesh
 
 from xlaserve.checkpoints.errors import CheckpointError
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import Params, param_axes, param_shapes
-from xlaserve.sharding.rules import named_sharding
+from xlaserve.models.llama import Params
+from xlaserve.sharding.layout import ShardLayout
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
@@ -58,9 +58,12 @@ def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
 
 
 def save_params(folder: Path, params: Params) -> None:
+    """Save host arrays, or jax Arrays as they are placed: each device writes its own shards, so
+    saving from a mesh never gathers a parameter; any mesh can restore the result."""
     import orbax.checkpoint as ocp
 
-    arrays = jax.tree_util.tree_map(np.asarray, params)
+    arrays = jax.tree_util.tree_map(
+        lambda a: a if isinstance(a, jax.Array) else np.asarray(a), params)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save((folder / PARAMS_DIR).absolute(), arrays)
         ckptr.wait_until_finished()
@@ -76,22 +79,21 @@ def load_config(folder: str | Path, dtype: str | None = None) -> ModelConfig:
     return config.replace(dtype=dtype) if dtype else config
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh,
-                    axes_fn: Callable[[ModelConfig], Params] = param_axes) -> Params:
-    return jax.tree_util.tree_map(lambda axes: named_sharding(mesh, axes), axes_fn(config),
-                                  is_leaf=lambda x: isinstance(x, tuple))
+def param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
+    """Where each parameter lives on `mesh`, by the model's own rules (sharding/layout.py)."""
+    return ShardLayout.create(config, mesh).param_shardings(mesh)
 
 
 def load_params(folder: str | Path, config: ModelConfig, mesh: Mesh) -> Params:
-    """Restore the parameters of `folder` directly into their shardings on `mesh`."""
+    """Restore the parameters of `folder` directly into their shardings on `mesh`.
+
+    The checkpoint holds global arrays, whatever mesh saved it; each device reads only its
+    slice (its heads, its pipeline stage's layers).  Raises ValueError if the model cannot be
+    laid out on `mesh`."""
     import orbax.checkpoint as ocp
 
     folder = Path(folder)
-    shardings = param_shardings(config, mesh)
-    dtype = jax.numpy.dtype(config.dtype)
-    target = jax.tree_util.tree_map(
-        lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
-        param_shapes(config), shardings, is_leaf=lambda x: isinstance(x, tuple))
+    target = ShardLayout.create(config, mesh).param_targets(mesh)
     try:
         with ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore((folder / PARAMS_DIR).absolute(), target)

@@ -15,6 +15,7 @@ F mlp hidden, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -120,6 +121,51 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
+def decoder_layer(
+    config: ModelConfig,
+    layer: Params,              # one layer's weights (this shard's heads / mlp slice)
+    x: jax.Array,               # [B, T, E]
+    k_flat: jax.Array,          # [L*N*bs, K, D] the whole (local) cache, flattened
+    v_flat: jax.Array,          # [L*N*bs, K, D]
+    i: jax.Array,               # [] int32 layer index into the (local) cache
+    positions: jax.Array,       # [B, T] int32
+    meta: AttentionMetadata,
+    inv_freq: jax.Array,        # [D // 2]
+    cache_shape: tuple[int, ...],
+    *,
+    attention_backend: str = "reference",
+    attend: Callable[..., jax.Array] = paged_attention,
+    reduce: Callable[[jax.Array], jax.Array] = lambda y: y,
+) -> tuple[jax.Array, jax.Array, jax.Array]:   # x [B, T, E], k_flat, v_flat
+    """One pre-norm block: x += attn(norm(x)); x += mlp(norm(x)).
+
+    Under tensor parallelism (sharding/parallel_forward.py) `layer` holds one shard's heads and
+    mlp slice, so the outputs of `wo` and `w_down` are partial sums that `reduce` adds up over
+    the shards, and `attend` may stand in for `paged_attention` with the same signature.
+    KV writes to slots outside the cache are dropped (pipeline bubbles rely on it)."""
+    c = config
+    b, t = x.shape[:2]
+    num_blocks, block_size, kvh, d = cache_shape[1:]
+    dest = i * num_blocks * block_size + meta.slot_mapping.reshape(-1)  # [B*T]
+    h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
+    q = jnp.einsum("bte,ehd->bthd", h, layer["wq"])
+    k = jnp.einsum("bte,ekd->btkd", h, layer["wk"])
+    v = jnp.einsum("bte,ekd->btkd", h, layer["wv"])
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    k_flat = k_flat.at[dest].set(k.reshape(b * t, kvh, d).astype(k_flat.dtype), mode="drop")
+    v_flat = v_flat.at[dest].set(v.reshape(b * t, kvh, d).astype(v_flat.dtype), mode="drop")
+    attn = attend(q, k_flat.reshape(cache_shape), v_flat.reshape(cache_shape), i,
+                  meta.block_tables, meta.q_lens, meta.kv_lens, scale=d ** -0.5,
+                  backend=attention_backend)                           # [B, T, H, D]
+    x = x + reduce(jnp.einsum("bthd,hde->bte", attn, layer["wo"]))
+    h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
+    gate = jnp.einsum("bte,ef->btf", h, layer["w_gate"])
+    up = jnp.einsum("bte,ef->btf", h, layer["w_up"])
+    x = x + reduce(jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, layer["w_down"]))
+    return x, k_flat, v_flat
+
+
 def forward(
     params: Params,
     config: ModelConfig,
@@ -132,35 +178,16 @@ def forward(
     attention_backend: str = "reference",
 ) -> tuple[jax.Array, KVCache]:             # logits [B, V] or [B, T, V] float32; new cache
     c = config
-    b, t = tokens.shape
-    num_layers, num_blocks, block_size, kvh, d = kv.k.shape
-    per_layer = num_blocks * block_size
+    _, _, _, kvh, d = kv.k.shape
     inv_freq = jnp.asarray(inverse_frequencies(c))
-    scale = d ** -0.5
-    slots = meta.slot_mapping.reshape(-1)                                # [B*T]
 
     x = params["embed"][tokens]                                          # [B, T, E]
 
     def layer_step(carry, layer):
         x, k_flat, v_flat, i = carry                                     # k_flat [L*N*bs, K, D]
-        h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
-        q = jnp.einsum("bte,ehd->bthd", h, layer["wq"])
-        k = jnp.einsum("bte,ekd->btkd", h, layer["wk"])
-        v = jnp.einsum("bte,ekd->btkd", h, layer["wv"])
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        dest = i * per_layer + slots                                     # [B*T]
-        k_flat = k_flat.at[dest].set(k.reshape(b * t, kvh, d).astype(k_flat.dtype))
-        v_flat = v_flat.at[dest].set(v.reshape(b * t, kvh, d).astype(v_flat.dtype))
-        cache_shape = (num_layers, num_blocks, block_size, kvh, d)
-        attn = paged_attention(q, k_flat.reshape(cache_shape), v_flat.reshape(cache_shape), i,
-                               meta.block_tables, meta.q_lens, meta.kv_lens, scale=scale,
-                               backend=attention_backend)                # [B, T, H, D]
-        x = x + jnp.einsum("bthd,hde->bte", attn, layer["wo"])
-        h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-        gate = jnp.einsum("bte,ef->btf", h, layer["w_gate"])
-        up = jnp.einsum("bte,ef->btf", h, layer["w_up"])
-        x = x + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, layer["w_down"])
+        x, k_flat, v_flat = decoder_layer(c, layer, x, k_flat, v_flat, i, positions, meta,
+                                          inv_freq, kv.k.shape,
+                                          attention_backend=attention_backend)
         return (x, k_flat, v_flat, i + 1), None
 
     k_flat = kv.k.reshape(-1, kvh, d)

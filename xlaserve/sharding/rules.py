@@ -11,6 +11,9 @@ from collections.abc import Mapping
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xlaserve.models.config import ModelConfig
+from xlaserve.sharding.mesh import MeshConfig
+
 # Logical axis -> mesh axis (None = replicated).  Megatron-style tensor parallelism: attention
 # heads, KV heads, the MLP hidden dimension and the vocabulary are split over `tensor`; the
 # stacked layer axis is split over `pipeline` (one contiguous slice of layers per stage).
@@ -29,6 +32,34 @@ DEFAULT_RULES: Mapping[str, str | None] = {
 }
 
 LogicalAxes = tuple[str | None, ...]
+
+
+def model_rules(model: ModelConfig, mesh: MeshConfig) -> dict[str, str | None]:
+    """DEFAULT_RULES specialised to one model on one mesh; refuses layouts that cannot work.
+
+    Query heads, the mlp hidden dimension and the layers must divide evenly (a ValueError shows
+    the numbers).  KV heads are split over `tensor` only when `tensor` divides them; otherwise
+    (fewer KV heads than shards, e.g. 8 query / 2 KV heads at tensor=4) every shard keeps all
+    KV heads and computes them redundantly.  A vocabulary that `tensor` does not divide is
+    replicated."""
+    tp, pp = mesh.tensor, mesh.pipeline
+    problems = []
+    if model.num_heads % tp:
+        problems.append(f"tensor={tp} does not divide num_heads={model.num_heads}")
+    if model.intermediate_size % tp:
+        problems.append(f"tensor={tp} does not divide intermediate_size="
+                        f"{model.intermediate_size}")
+    if model.num_layers % pp:
+        problems.append(f"pipeline={pp} does not divide num_layers={model.num_layers}")
+    if problems:
+        raise ValueError("cannot shard the model over mesh pipeline={} x tensor={}: {}".format(
+            pp, tp, "; ".join(problems)))
+    rules = dict(DEFAULT_RULES)
+    if model.num_kv_heads % tp:
+        rules["kv_heads"] = None
+    if model.vocab_size % tp:
+        rules["vocab"] = None
+    return rules
 
 
 def partition_spec(axes: LogicalAxes, rules: Mapping[str, str | None] = DEFAULT_RULES,

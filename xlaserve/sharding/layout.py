@@ -1,0 +1,128 @@
+"""One model on one mesh: which slice of every parameter and of the KV cache each device holds.
+
+    ShardLayout.create(model, MeshConfig(pipeline=2, tensor=2))
+      .rules              logical axis -> mesh axis, specialised to the model (rules.model_rules)
+      .param_specs()      PartitionSpec per parameter (same pytree as models.llama.param_axes)
+      .kv_spec()          PartitionSpec of each KV array [layers, blocks, block_size, K, D]
+      .param_shardings(mesh), .kv_sharding(mesh)   the same, as NamedShardings on a real mesh
+
+The layout is pure bookkeeping over shapes: checkpoints restore into it (checkpoints/store.py),
+the sharded forward reads it to build its shard_map (parallel_forward.py), and memory.py prices
+it per device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from xlaserve.models.config import ModelConfig
+from xlaserve.models.llama import KV_AXES, KVCache, Params, param_axes, param_shapes
+from xlaserve.sharding.mesh import MeshConfig
+from xlaserve.sharding.rules import model_rules, partition_spec
+
+
+def _is_axes(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    model: ModelConfig
+    mesh: MeshConfig
+    rules: Mapping[str, str | None]
+
+    @classmethod
+    def create(cls, model: ModelConfig, mesh: MeshConfig | Mesh) -> "ShardLayout":
+        """Validate the model against the mesh (ValueError with the numbers) and derive rules."""
+        mesh_config = MeshConfig.of(mesh) if isinstance(mesh, Mesh) else mesh
+        mesh_config = MeshConfig(pipeline=mesh_config.pipeline, tensor=mesh_config.tensor)
+        return cls(model, mesh_config, model_rules(model, mesh_config))
+
+    # -- what each shard holds -------------------------------------------------------------------
+
+    @property
+    def kv_heads_split(self) -> bool:
+        return self.rules["kv_heads"] == "tensor" and self.mesh.tensor > 1
+
+    @property
+    def vocab_split(self) -> bool:
+        return self.rules["vocab"] == "tensor" and self.mesh.tensor > 1
+
+    @property
+    def heads_per_shard(self) -> int:
+        return self.model.num_heads // self.mesh.tensor
+
+    @property
+    def kv_heads_per_shard(self) -> int:
+        k = self.model.num_kv_heads
+        return k // self.mesh.tensor if self.kv_heads_split else k
+
+    @property
+    def vocab_per_shard(self) -> int:
+        v = self.model.vocab_size
+        return v // self.mesh.tensor if self.vocab_split else v
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.model.num_layers // self.mesh.pipeline
+
+    # -- PartitionSpecs and shardings ------------------------------------------------------------
+
+    def spec(self, axes: tuple[str | None, ...]) -> PartitionSpec:
+        return partition_spec(axes, self.rules)
+
+    def param_specs(self) -> Params:
+        return jax.tree_util.tree_map(self.spec, param_axes(self.model), is_leaf=_is_axes)
+
+    def kv_spec(self) -> PartitionSpec:
+        return self.spec(KV_AXES)
+
+    def _check(self, mesh: Mesh) -> None:
+        if MeshConfig.of(mesh) != self.mesh:
+            raise ValueError(f"layout is for pipeline={self.mesh.pipeline} x "
+                             f"tensor={self.mesh.tensor}, but the mesh is {dict(mesh.shape)}")
+
+    def param_shardings(self, mesh: Mesh) -> Params:
+        self._check(mesh)
+        return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), self.param_specs(),
+                                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    def kv_sharding(self, mesh: Mesh) -> NamedSharding:
+        self._check(mesh)
+        return NamedSharding(mesh, self.kv_spec())
+
+    def param_targets(self, mesh: Mesh) -> Params:
+        """ShapeDtypeStructs carrying shardings: what orbax restores into."""
+        dtype = jnp.dtype(self.model.dtype)
+        return jax.tree_util.tree_map(
+            lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+            param_shapes(self.model), self.param_shardings(mesh), is_leaf=_is_axes)
+
+    # -- placing arrays --------------------------------------------------------------------------
+
+    def shard_params(self, params: Params, mesh: Mesh) -> Params:
+        """Place a host (or differently placed) parameter pytree onto `mesh`.
+
+        For random test models; real checkpoints restore straight into the shardings
+        (checkpoints.store.load_params) without a full host copy."""
+        return jax.device_put(params, self.param_shardings(mesh))
+
+    def shard_kv(self, kv: KVCache, mesh: Mesh) -> KVCache:
+        sharding = self.kv_sharding(mesh)
+        return KVCache(jax.device_put(kv.k, sharding), jax.device_put(kv.v, sharding))
+
+    def init_kv_cache(self, mesh: Mesh, num_blocks: int, block_size: int,
+                      dtype: str | None = None) -> KVCache:
+        """A zero KV cache created in place on every device (no host copy)."""
+        c = self.model
+        shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        dt = jnp.dtype(dtype or c.dtype)
+        sharding = self.kv_sharding(mesh)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
+        return KVCache(zeros(), zeros())

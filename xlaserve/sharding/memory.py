@@ -1,0 +1,66 @@
+"""Per-device memory of a layout: parameter and KV-cache bytes that one device holds.
+
+Computed from shapes and PartitionSpecs alone (no arrays), so `xlaserve bench` and capacity
+planning can price a layout before placing anything.  Replicated arrays count in full on every
+device; a dimension split over a mesh axis of size n counts 1/n.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from xlaserve.models.llama import param_shapes
+from xlaserve.sharding.layout import ShardLayout
+
+
+@dataclass(frozen=True)
+class DeviceBytes:
+    params: int         # parameter bytes on one device
+    kv: int             # KV-cache bytes (k and v) on one device
+    params_total: int   # parameter bytes of the whole model (one copy)
+    kv_total: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.kv
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        return (f"per device: params {self.params / mib:.2f} MiB "
+                f"(of {self.params_total / mib:.2f} MiB), KV {self.kv / mib:.2f} MiB "
+                f"(of {self.kv_total / mib:.2f} MiB)")
+
+
+def shard_shape(shape: tuple[int, ...], spec: PartitionSpec,
+                axis_sizes: dict[str, int]) -> tuple[int, ...]:
+    """The shape of one device's block of an array of `shape` placed with `spec`."""
+    out = []
+    for i, dim in enumerate(shape):
+        axis = spec[i] if i < len(spec) else None
+        names = () if axis is None else (axis if isinstance(axis, tuple) else (axis,))
+        n = math.prod(axis_sizes[a] for a in names)
+        assert dim % n == 0, (shape, spec, axis_sizes)
+        out.append(dim // n)
+    return tuple(out)
+
+
+def device_bytes(layout: ShardLayout, num_blocks: int, block_size: int,
+                 kv_dtype: str | None = None) -> DeviceBytes:
+    c = layout.model
+    sizes = {"pipeline": layout.mesh.pipeline, "tensor": layout.mesh.tensor}
+    p_item = jnp.dtype(c.dtype).itemsize
+    shapes = jax.tree_util.tree_leaves(param_shapes(c), is_leaf=lambda x: isinstance(x, tuple))
+    specs = jax.tree_util.tree_leaves(layout.param_specs(),
+                                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+    params = sum(math.prod(shard_shape(s, p, sizes)) for s, p in zip(shapes, specs)) * p_item
+    params_total = sum(math.prod(s) for s in shapes) * p_item
+    kv_item = jnp.dtype(kv_dtype or c.dtype).itemsize
+    kv_shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+    kv = 2 * math.prod(shard_shape(kv_shape, layout.kv_spec(), sizes)) * kv_item
+    kv_total = 2 * math.prod(kv_shape) * kv_item
+    return DeviceBytes(params, kv, params_total, kv_total)

@@ -1,0 +1,251 @@
+"""The Llama forward on any `pipeline x tensor` mesh, with models.llama.forward's signature.
+
+Every device runs one program under `shard_map` over both mesh axes, on its own slices:
+
+    tokens [B, T] (replicated)
+      -> embed       vocab rows split over `tensor`: local lookup, psum(tensor)    -> x [B, T, E]
+      -> split rows into M microbatches                                           -> [M, B/M, T, E]
+      -> pipeline    for tick in 0 .. M + P - 2:            (P = pipeline stages)
+                       stage s works on microbatch tick - s (a bubble when out of range):
+                       stage 0 reads the embedding, stage s > 0 what stage s-1 sent last tick;
+                       runs its L/P layers (models.llama.decoder_layer, Megatron TP inside:
+                       local heads / mlp slice, psum(tensor) after wo and after w_down);
+                       collective-permute(pipeline) the result to stage s + 1 (stage 0
+                       receives nothing: it reads the next microbatch's embedding).
+                     The last stage keeps finished microbatches; one psum(pipeline) hands the
+                     [B, E] (or [B, T, E]) result to every stage.
+      -> final norm, logits over the local vocab slice                 -> logits [B, (T,) V/tp]
+         (a global array sharded over `tensor` on the vocab axis; nothing is gathered)
+
+The KV cache [L, N, bs, K, D] is split over `pipeline` on layers (each stage owns its layers'
+cache) and over `tensor` on KV heads when the layout splits them.  Bubble ticks write their KV
+to a slot outside the cache, which the scatter drops, so the cache comes out as on one device.
+
+Why shard_map + ppermute rather than one compiled function per stage driven by the host: one
+compiled step keeps the runner's contract (one call per step, donated KV, no host round trip
+between stages) and lets stages overlap on different microbatches inside the device program; the
+host-driven variant pays a dispatch and a device-to-device copy per stage per microbatch from
+Python.  The price is the bubble: with M microbatches each stage runs M + P - 1 ticks for M
+ticks of work, so the step costs (M + P - 1)/M stage-times instead of P (M = P by default).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from xlaserve.kernels.attention import paged_attention
+from xlaserve.models.config import ModelConfig
+from xlaserve.models.llama import (AttentionMetadata, KVCache, Params, decoder_layer, rms_norm)
+from xlaserve.models.rope import inverse_frequencies
+from xlaserve.sharding.layout import ShardLayout
+
+Forward = Callable[..., tuple[jax.Array, KVCache]]
+
+
+def _shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
+    """shard_map over every mesh axis, without replication checking.
+
+    Unchecked because the pipeline's loop carries change from replicated to per-stage values,
+    and the call that marks them (pvary / pcast) differs between jax releases.  Replication of
+    the outputs is ensured by construction (psum over the axes they are replicated on)."""
+    if hasattr(jax, "shard_map"):   # jax >= 0.7 (0.10 here, 0.11 on the GPU machines)
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def microbatch_count(batch: int, wanted: int) -> int:
+    """The largest divisor of `batch` that is at most `wanted` (rows split evenly)."""
+    return max(m for m in range(1, min(batch, wanted) + 1) if batch % m == 0)
+
+
+def make_sharded_forward(config: ModelConfig, mesh: Mesh, *,
+                         num_microbatches: int | None = None) -> Forward:
+    """A forward with models.llama.forward's signature that runs on `mesh`.
+
+    `params` and `kv` should already be placed by ShardLayout.create(config, mesh) (else jit
+    moves them on every call).  Rows are split into `num_microbatches` (default: the number of
+    pipeline stages; fewer when the batch does not divide) so that stages overlap.
+    Raises ValueError at construction if the model cannot be laid out on the mesh."""
+    layout = ShardLayout.create(config, mesh)
+    pp, tp = layout.mesh.pipeline, layout.mesh.tensor
+    wanted = num_microbatches or pp
+    if wanted < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    param_specs = layout.param_specs()
+    kv_spec = layout.kv_spec()
+
+    def forward(params: Params, config_: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                kv: KVCache, meta: AttentionMetadata, *, logits_index: jax.Array | None = None,
+                attention_backend: str = "reference") -> tuple[jax.Array, KVCache]:
+        if config_ != config:
+            raise ValueError("this sharded forward was built for another ModelConfig")
+        b = tokens.shape[0]
+        m = microbatch_count(b, wanted) if pp > 1 else 1
+        all_tokens = logits_index is None
+        if all_tokens:
+            logits_index = jnp.zeros((b,), jnp.int32)
+        vocab = "tensor" if layout.vocab_split else None
+        logits_spec = P(None, None, vocab) if all_tokens else P(None, vocab)
+        body = functools.partial(_device_step, layout, m, all_tokens, attention_backend)
+        step = _shard_map(body, mesh,
+                          in_specs=(param_specs, P(), P(), kv_spec, kv_spec, P(), P()),
+                          out_specs=(logits_spec, kv_spec, kv_spec))
+        logits, k, v = step(params, tokens, positions, kv.k, kv.v, meta, logits_index)
+        return logits, KVCache(k, v)
+
+    return forward
+
+
+# -- the per-device program ---------------------------------------------------------------------
+
+
+def _device_step(layout: ShardLayout, m: int, all_tokens: bool, attention_backend: str,
+                 params: Params,
+                 tokens: jax.Array,        # [B, T]
+                 positions: jax.Array,     # [B, T]
+                 k_cache: jax.Array,       # [L/P, N, bs, K_local, D] this device's slice
+                 v_cache: jax.Array,
+                 meta: AttentionMetadata,  # every row's metadata (replicated)
+                 logits_index: jax.Array,  # [B]
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    c = layout.model
+    pp, tp = layout.mesh.pipeline, layout.mesh.tensor
+    b = tokens.shape[0]
+    cache_shape = k_cache.shape
+    kvh, d = cache_shape[3:]
+    inv_freq = jnp.asarray(inverse_frequencies(c))
+
+    def reduce(y: jax.Array) -> jax.Array:
+        return lax.psum(y, "tensor") if tp > 1 else y
+
+    attend = paged_attention
+    if tp > 1 and not layout.kv_heads_split:
+        attend = functools.partial(_attend_with_replicated_kv, c.num_heads)
+
+    def run_stage(x: jax.Array, positions: jax.Array, meta: AttentionMetadata,
+                  k_flat: jax.Array, v_flat: jax.Array) -> tuple[jax.Array, ...]:
+        """This stage's layers over one microbatch; x [b, T, E], k_flat [L/P*N*bs, K, D]."""
+        def layer_step(carry: tuple[jax.Array, ...], layer: Params) -> tuple[Any, None]:
+            x, k_flat, v_flat, i = carry
+            x, k_flat, v_flat = decoder_layer(c, layer, x, k_flat, v_flat, i, positions, meta,
+                                              inv_freq, cache_shape,
+                                              attention_backend=attention_backend,
+                                              attend=attend, reduce=reduce)
+            return (x, k_flat, v_flat, i + 1), None
+
+        (x, k_flat, v_flat, _), _ = lax.scan(layer_step, (x, k_flat, v_flat, jnp.int32(0)),
+                                             params["layers"])
+        return x, k_flat, v_flat
+
+    def pick(x: jax.Array, index: jax.Array) -> jax.Array:
+        """[b, T, E] -> [b, E] at each row's logits token (or all tokens)."""
+        return x if all_tokens else jnp.take_along_axis(x, index[:, None, None], axis=1)[:, 0]
+
+    x = _embed(params["embed"], tokens, layout.vocab_split)             # [B, T, E]
+    k_flat = k_cache.reshape(-1, kvh, d)                                # [L/P*N*bs, K, D]
+    v_flat = v_cache.reshape(-1, kvh, d)
+    if pp == 1:
+        x, k_flat, v_flat = run_stage(x, positions, meta, k_flat, v_flat)
+        hidden = pick(x, logits_index)
+    else:
+        hidden, k_flat, v_flat = _pipeline(
+            run_stage, pick, m, pp, x, positions, meta, logits_index, k_flat, v_flat)
+
+    hidden = rms_norm(hidden, params["final_norm"], c.rms_norm_eps)    # [B, (T,) E]
+    head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]  # [E, V/tp]
+    logits = jnp.einsum("...e,ev->...v", hidden, head, preferred_element_type=jnp.float32)
+    assert logits.shape[0] == b
+    return logits, k_flat.reshape(cache_shape), v_flat.reshape(cache_shape)
+
+
+def _embed(table: jax.Array,   # [V/tp, E] this shard's vocabulary rows
+           tokens: jax.Array,  # [B, T]
+           vocab_split: bool) -> jax.Array:  # [B, T, E]
+    if not vocab_split:
+        return table[tokens]
+    rows = table.shape[0]
+    local = tokens - lax.axis_index("tensor") * rows
+    inside = (local >= 0) & (local < rows)
+    x = jnp.where(inside[..., None], table[jnp.clip(local, 0, rows - 1)], 0)
+    return lax.psum(x, "tensor")   # exactly one shard holds each token's row: the sum is exact
+
+
+def _attend_with_replicated_kv(num_heads: int, q: jax.Array, k_cache: jax.Array,
+                               v_cache: jax.Array, layer: jax.Array, block_tables: jax.Array,
+                               q_lens: jax.Array, kv_lens: jax.Array, *, scale: float,
+                               backend: str) -> jax.Array:
+    """Attention for this shard's query heads when every shard holds all KV heads.
+
+    q: [B, T, H/tp, D] holds global heads [s*H/tp, (s+1)*H/tp).  The heads are put back at
+    their global positions in a zero [B, T, H, D] query so that the GQA grouping of any kernel
+    (query head h reads KV head h // (H/K)) stays right, and this shard's heads are cut out of
+    the result.  Heads are independent, so the zero heads change nothing; they cost attention
+    FLOPs (x tp), which a kernel taking a head offset would remove."""
+    b, t, local, d = q.shape
+    start = lax.axis_index("tensor") * local
+    full = jnp.zeros((b, t, num_heads, d), q.dtype)
+    full = lax.dynamic_update_slice_in_dim(full, q, start, axis=2)
+    out = paged_attention(full, k_cache, v_cache, layer, block_tables, q_lens, kv_lens,
+                          scale=scale, backend=backend)                  # [B, T, H, D]
+    return lax.dynamic_slice_in_dim(out, start, local, axis=2)
+
+
+def _pipeline(run_stage: Callable[..., tuple[jax.Array, ...]],
+              pick: Callable[[jax.Array, jax.Array], jax.Array],
+              m: int, pp: int,
+              x: jax.Array,              # [B, T, E] embeddings (used by stage 0)
+              positions: jax.Array,      # [B, T]
+              meta: AttentionMetadata,
+              logits_index: jax.Array,   # [B]
+              k_flat: jax.Array, v_flat: jax.Array,
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """GPipe-style forward schedule over `m` microbatches of rows and `pp` stages.
+
+    tick:      0    1    2    3    4          (m = 3, pp = 3)
+    stage 0:  mb0  mb1  mb2   -    -
+    stage 1:   -   mb0  mb1  mb2   -
+    stage 2:   -    -   mb0  mb1  mb2   -> finished microbatches kept by the last stage
+    """
+    b = x.shape[0]
+
+    def split(a: jax.Array) -> jax.Array:                               # [B, ...] -> [m, B/m, ...]
+        return a.reshape(m, b // m, *a.shape[1:])
+
+    xs, pos_mb, index_mb = split(x), split(positions), split(logits_index)
+    meta_mb = jax.tree_util.tree_map(split, meta)
+    stage = lax.axis_index("pipeline")
+    is_last = stage == pp - 1
+    drop_slot = jnp.int32(k_flat.shape[0])  # beyond every layer's slots: the write is dropped
+    shift = [(s, s + 1) for s in range(pp - 1)]  # the last stage sends nothing back
+    out_shape = jax.eval_shape(pick, xs[0], index_mb[0]).shape         # [B/m, (T,) E]
+
+    def tick(carry: tuple[jax.Array, ...], t: jax.Array) -> tuple[Any, None]:
+        received, k_flat, v_flat, outs = carry
+        mb = t - stage
+        valid = (mb >= 0) & (mb < m)
+        j = jnp.clip(mb, 0, m - 1)
+        inp = jnp.where(stage == 0, xs[j], received)                   # [B/m, T, E]
+        meta_j = jax.tree_util.tree_map(lambda a: a[j], meta_mb)
+        meta_j = meta_j._replace(
+            slot_mapping=jnp.where(valid, meta_j.slot_mapping, drop_slot))
+        y, k_flat, v_flat = run_stage(inp, pos_mb[j], meta_j, k_flat, v_flat)
+        done = jnp.where(valid & is_last, pick(y, index_mb[j]), outs[j])
+        outs = lax.dynamic_update_index_in_dim(outs, done, j, axis=0)
+        received = lax.ppermute(y, "pipeline", shift)
+        return (received, k_flat, v_flat, outs), None
+
+    outs = jnp.zeros((m, *out_shape), x.dtype)
+    carry = (jnp.zeros_like(xs[0]), k_flat, v_flat, outs)
+    (_, k_flat, v_flat, outs), _ = lax.scan(tick, carry, jnp.arange(m + pp - 1))
+    hidden = lax.psum(jnp.where(is_last, outs, 0), "pipeline")        # only the last stage's
+    return hidden.reshape(b, *out_shape[1:]), k_flat, v_flat
