@@ -353,7 +353,8 @@ def smoke_plan():
              AttnShape(1, 40, block_size=8, chunk=8, **g3)]
     tiny = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=6, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
-    return dict(check=check, timed=timed, model=tiny, label="tiny 2-layer", batches=[1, 2], context=20, repeats=2,
+    return dict(check=check, timed=timed, model=tiny, label="tiny 2-layer",
+                batches=[1, 2], context=20, repeats=10,
                 bandwidth_bytes=1 << 20, reference_limit=1 << 40)
 
 
