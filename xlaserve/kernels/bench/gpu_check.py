@@ -339,7 +339,8 @@ def gpu_plan():
     smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                           tie_word_embeddings=True, dtype="bfloat16")
-    return dict(check=check, timed=timed, model=smollm2, label="SmolLM2-135M shapes", batches=[1, 32, 256], context=1024,
+    return dict(check=check, timed=timed, model=smollm2, label="SmolLM2-135M shapes",
+                batches=[1, 32, 256], context=1024,
                 repeats=30, bandwidth_bytes=2 << 30, reference_limit=8 << 30)
 
 
@@ -424,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     report["kernels"] = time_kernels(plan["timed"], interpret, triton_ok, bandwidth,
                                      plan["repeats"], clock, plan["reference_limit"])
     backends = ["reference", "pallas"] + (["triton"] if triton_ok else [])
-    report["model"] = model_decode(plan["label"], plan["batches"], plan["context"], backends, plan["model"],
+    report["model"] = model_decode(plan["label"], plan["batches"], plan["context"], backends,
+                                   plan["model"],
                                    max(3, plan["repeats"] // 3), clock)
     report["wall_s"] = time.perf_counter() - start
     with open(args.json, "w") as f:
