@@ -1,0 +1,89 @@
+"""Input checks shared by the attention kernels' wrappers.
+
+Shapes and dtypes are static, so they are checked on every call, traced or not.  Values (block
+ids, lengths) can only be checked when the caller passes concrete arrays; under `jit` they are
+tracers and the kernels instead clamp what they read so that a bad id can never address memory
+outside the cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_cache(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array) -> None:
+    if k_cache.ndim != 5:
+        raise ValueError(f"k_cache must be [L, N, bs, KVH, D], got shape {k_cache.shape}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache shapes differ: {k_cache.shape} vs {v_cache.shape}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache and v_cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
+    if k_cache.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"cache dtype must be one of {[str(d) for d in FLOAT_DTYPES]}, "
+                        f"got {k_cache.dtype}")
+    if jnp.shape(layer) not in ((), (1,)):
+        raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
+    if not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise TypeError(f"layer must be an integer, got {jnp.result_type(layer)}")
+    num_layers = k_cache.shape[0]
+    if is_concrete(layer):
+        value = int(np.asarray(layer).reshape(()))
+        if not 0 <= value < num_layers:
+            raise ValueError(f"layer={value} out of range [0, {num_layers})")
+
+
+def check_int_vector(name: str, x: jax.Array, batch: int) -> None:
+    if x.shape != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},) (one entry per row), got {x.shape}")
+    if x.dtype != jnp.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+
+
+def check_block_tables(block_tables: jax.Array, batch: int, num_blocks: int) -> None:
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [B={batch}, W], got shape {block_tables.shape}")
+    if block_tables.dtype != jnp.int32:
+        raise TypeError(f"block_tables must be int32, got {block_tables.dtype}")
+    if is_concrete(block_tables) and block_tables.size:
+        bt = np.asarray(block_tables)
+        bad = np.argwhere((bt < 0) | (bt >= num_blocks))
+        if bad.size:
+            row, col = (int(i) for i in bad[0])
+            raise ValueError(
+                f"block_tables holds {len(bad)} block id(s) out of range [0, {num_blocks}); "
+                f"first at [{row}, {col}] = {int(bt[row, col])}")
+
+
+def check_lengths(kv_lens: jax.Array, capacity: int, q_lens: jax.Array | None = None,
+                  chunk: int | None = None) -> None:
+    """kv_lens <= W * bs; and for prefill q_lens <= T and q_lens <= kv_lens."""
+    if not is_concrete(kv_lens) or (q_lens is not None and not is_concrete(q_lens)):
+        return
+    kv = np.asarray(kv_lens)
+    if kv.size and (kv.min() < 0 or kv.max() > capacity):
+        raise ValueError(f"kv_lens must lie in [0, W * bs = {capacity}], got {kv.tolist()}")
+    if q_lens is None:
+        return
+    q = np.asarray(q_lens)
+    if q.size and (q.min() < 0 or chunk is not None and q.max() > chunk):
+        raise ValueError(f"q_lens must lie in [0, T = {chunk}], got {q.tolist()}")
+    if np.any(q > kv):
+        raise ValueError(f"q_lens must not exceed kv_lens (the chunk is already in the cache): "
+                         f"q_lens={q.tolist()} kv_lens={kv.tolist()}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
