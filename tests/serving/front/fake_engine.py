@@ -49,6 +49,7 @@ class FakeEngine:
         self.submitted: list[GenerationRequest] = []
         self.finished: dict[str, str] = {}          # request id -> finish_reason
         self._abort_flags: set[str] = set()
+        self._abort_events: dict[str, asyncio.Event] = {}
         self._done_times: deque[float] = deque(maxlen=256)
         self._slots: asyncio.Semaphore | None = None
 
@@ -66,6 +67,18 @@ class FakeEngine:
         if request_id not in self.finished:
             self._abort_flags.add(request_id)
             self.aborted.add(request_id)
+            if request_id in self._abort_events:
+                self._abort_events[request_id].set()
+
+    async def _sleep(self, rid: str, delay: float) -> None:
+        """Sleep, but wake at once when the request is aborted (like the next engine step)."""
+        ev = self._abort_events.setdefault(rid, asyncio.Event())
+        if rid in self._abort_flags:
+            return
+        try:
+            await asyncio.wait_for(ev.wait(), delay)
+        except asyncio.TimeoutError:
+            pass
 
     def _blocks(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block_size)
@@ -89,7 +102,7 @@ class FakeEngine:
             self.running.add(rid)
             held = self._blocks(len(prompt))
             self.blocks_in_use += held
-            await asyncio.sleep(self.prefill_delay)
+            await self._sleep(rid, self.prefill_delay)
             detok = IncrementalDetokenizer(self.tokenizer, prompt)
             text = ""
             for i, tid in enumerate(expected_ids(prompt, s.max_tokens, s.seed)):
@@ -102,7 +115,7 @@ class FakeEngine:
                 if tid in self.tokenizer.eos_ids and not s.ignore_eos:
                     finish = "stop"
                     break
-                await asyncio.sleep(self.token_delay)
+                await self._sleep(rid, self.token_delay)
                 if rid in self._abort_flags:
                     finish = "abort"
                     break
@@ -138,6 +151,7 @@ class FakeEngine:
             self.blocks_in_use -= held
             self.running.discard(rid)
             self._abort_flags.discard(rid)
+            self._abort_events.pop(rid, None)
             if acquired:
                 self._slots.release()
 
