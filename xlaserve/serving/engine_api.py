@@ -20,6 +20,9 @@ Protocol (what every implementation promises):
   recent window (0.0 before anything finished).  Admission divides queue length by it (Little's
   law) to estimate the wait of a new request.
 
+Optional: an engine may define `async start()` / `async stop()`; the HTTP app and the gRPC
+server call them once in their serving event loop (before the first / after the last request).
+
 Implementations: the local continuous-batching engine, `serving.grpc.client.RemoteEngine`
 (a replica behind gRPC), and the tests' FakeEngine.
 """

@@ -45,7 +45,7 @@ class FakeEngine:
         self.blocks_in_use = 0
         self.running: set[str] = set()
         self.waiting = 0
-        self.aborted: set[str] = set()
+        self.abort_calls: list[str] = []
         self.submitted: list[GenerationRequest] = []
         self.finished: dict[str, str] = {}          # request id -> finish_reason
         self._abort_flags: set[str] = set()
@@ -63,10 +63,15 @@ class FakeEngine:
         recent = [t for t in self._done_times if now - t < 10.0]
         return len(recent) / 10.0
 
+    @property
+    def aborted(self) -> set[str]:
+        """Requests that ended early: abort() was called, or their stream was closed."""
+        return {rid for rid, f in self.finished.items() if f == "abort"}
+
     async def abort(self, request_id: str) -> None:
+        self.abort_calls.append(request_id)
         if request_id not in self.finished:
             self._abort_flags.add(request_id)
-            self.aborted.add(request_id)
             if request_id in self._abort_events:
                 self._abort_events[request_id].set()
 

@@ -54,6 +54,23 @@ def create_app(state: ServingState) -> Quart:
     app.config["JSON_SORT_KEYS"] = False
     app.extensions["xlaserve"] = state
 
+    engines = [r.engine for grp in state.router.groups for r in grp.replicas]
+
+    @app.before_serving
+    async def _start_engines() -> None:
+        # Engines with an event-loop-bound part (RemoteEngine's channel) start in this loop.
+        for e in engines:
+            start = getattr(e, "start", None)
+            if start is not None:
+                await start()
+
+    @app.after_serving
+    async def _stop_engines() -> None:
+        for e in engines:
+            stop = getattr(e, "stop", None)
+            if stop is not None:
+                await stop()
+
     @app.before_request
     async def _trace() -> None:
         g.trace = TraceContext.from_headers(request.headers.get("x-request-id"),

@@ -66,9 +66,9 @@ async def build_engines(config: ServerConfig) -> dict[str, list[AsyncEngine]]:
                 e = _import(m.engine)(m)
                 reps.append(await e if inspect.isawaitable(e) else e)
             else:
-                remote = RemoteEngine(r.removeprefix("grpc://"), m.name, Tokenizer.load(m.path))
-                await remote.connect()
-                reps.append(remote)
+                # started (channel opened) by the app in its serving loop
+                reps.append(RemoteEngine(r.removeprefix("grpc://"), m.name,
+                                         Tokenizer.load(m.path)))
         out[m.id] = reps
     return out
 
