@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +42,8 @@ class LiveServer:
     def __init__(self, state: ServingState):
         self.state = state
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = bool(state.config.tls_cert)
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -59,7 +61,10 @@ class LiveServer:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                verify = (ssl.create_default_context(cafile=self.state.config.tls_cert)
+                          if self.tls else True)
+                if httpx.get(self.url + "/health", timeout=1,
+                             verify=verify).status_code == 200:
                     return self
             except httpx.HTTPError:
                 time.sleep(0.05)

@@ -48,7 +48,10 @@ def _import(path: str) -> Any:
     module, _, name = path.partition(":")
     if not module or not name:
         raise ValueError(f"engine={path!r}: expected 'module:function'")
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"engine={path!r} cannot be imported: {e}") from None
 
 
 async def build_engines(config: ServerConfig) -> dict[str, list[AsyncEngine]]:
