@@ -43,7 +43,7 @@ class _EngineCollector(Collector):
         for model, replica, stats_fn in self._sources():
             try:
                 s = stats_fn()
-            except Exception:  # a replica that cannot answer is left out of this scrape
+            except Exception:  # noqa: BLE001, S112 (a replica that cannot answer is skipped)
                 continue
             lv = [model, replica]
             g["num_requests_running"].add_metric(lv, s.num_running)

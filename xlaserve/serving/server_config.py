@@ -220,7 +220,7 @@ class ServerConfig:
 
 def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a table, got {type(data).__name__}")
+        raise ValueError(f"{where}: expected a table, got {type(data).__name__}")  # noqa: TRY004
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:

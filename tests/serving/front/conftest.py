@@ -56,7 +56,7 @@ class LiveServer:
                         shutdown_trigger=self._stop.wait)
         asyncio.run(main())
 
-    def start(self) -> "LiveServer":
+    def start(self) -> LiveServer:
         self._thread.start()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -82,7 +82,7 @@ class FakeEngine:
             return
         try:
             await asyncio.wait_for(ev.wait(), delay)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     def _blocks(self, n_tokens: int) -> int:

@@ -12,8 +12,7 @@ import httpx
 import pytest
 from fake_engine import FakeEngine
 
-from xlaserve.serving.server_config import (ServedModel, ServerConfig, config_from_dict,
-                                            load_config)
+from xlaserve.serving.server_config import ServedModel, ServerConfig, config_from_dict, load_config
 from xlaserve.serving.types import Tier
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -63,7 +62,7 @@ def _self_signed(tmp_path: Path) -> tuple[str, str]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     import ipaddress
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())

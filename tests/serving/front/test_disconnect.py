@@ -24,16 +24,15 @@ def engine_of(srv):
 def test_disconnect_during_decode_stream(make_server):
     srv = make_server(token_delay=0.05)
     eng = engine_of(srv)
-    with httpx.Client(timeout=10) as c:
-        with c.stream("POST", srv.url + URL,
-                      json={**BODY, "stream": True}) as r:
-            got = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    got += 1
-                if got >= 4:
-                    assert eng.blocks_in_use > 0 and eng.running
-                    break  # closing the iterator closes the connection
+    with httpx.Client(timeout=10) as c, c.stream("POST", srv.url + URL,
+                  json={**BODY, "stream": True}) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+            if got >= 4:
+                assert eng.blocks_in_use > 0 and eng.running
+                break  # closing the iterator closes the connection
     t0 = time.monotonic()
     assert wait_for(lambda: eng.blocks_in_use == 0 and not eng.running, 3)
     assert time.monotonic() - t0 < 2  # far sooner than the 10 s the generation would take

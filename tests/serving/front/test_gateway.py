@@ -10,8 +10,13 @@ import httpx
 import jwt
 import pytest
 
-from xlaserve.serving.server_config import (AuditConfig, AuthConfig, ServedModel, ServerConfig,
-                                            TierLimits)
+from xlaserve.serving.server_config import (
+    AuditConfig,
+    AuthConfig,
+    ServedModel,
+    ServerConfig,
+    TierLimits,
+)
 
 SECRET = "test-secret-which-is-long-enough-for-hs256"
 BODY = {"model": "fake", "prompt": "hello world", "max_tokens": 3}

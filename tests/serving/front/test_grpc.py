@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Self
 
 import grpc
 import httpx
@@ -108,7 +109,7 @@ class Worker:
         watcher.cancel()
         await server.stop(0)
 
-    def __enter__(self) -> "Worker":
+    def __enter__(self) -> Self:
         self._thread.start()
         assert self._started.wait(10)
         return self

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import httpx
 import openai
-import pytest
 from fake_engine import expected_ids, expected_output
 
 

@@ -132,7 +132,7 @@ class AdmissionController:
         heapq.heappush(self._queue, waiter)
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.config.max_queue_wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._drop(waiter)
             raise self._reject("timeout", self.expected_wait(tier, priority),
                                f"waited {self.config.max_queue_wait_s:g}s in the admission "

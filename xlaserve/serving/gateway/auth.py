@@ -35,7 +35,7 @@ class Principal:
 
 
 _PEM_BLOCK = re.compile(rb"-----BEGIN [A-Z ]*PUBLIC KEY-----.*?-----END [A-Z ]*PUBLIC KEY-----",
-                        re.S)
+                        re.DOTALL)
 
 
 class Authenticator:
@@ -85,7 +85,7 @@ class Authenticator:
     def _decode(self, token: str) -> dict[str, Any]:
         cfg = self.config
         alg = "HS256" if cfg.mode == "hs256" else "RS256"
-        options = {"require": ["exp"], "verify_aud": bool(cfg.audience),
+        options: Any = {"require": ["exp"], "verify_aud": bool(cfg.audience),
                    "verify_iss": bool(cfg.issuer)}
         last: Exception | None = None
         for key in self._keys:  # rs256: any configured key may have signed (key rotation)

@@ -23,10 +23,11 @@ class TraceContext:
     traceparent: str      # what we send back / on to the engine side
 
     @classmethod
-    def from_headers(cls, request_id: str | None, traceparent: str | None) -> "TraceContext":
-        m = _TRACEPARENT.match(traceparent.strip().lower()) if traceparent else None
+    def from_headers(cls, request_id: str | None, traceparent: str | None) -> TraceContext:
+        given = traceparent.strip().lower() if traceparent else ""
+        m = _TRACEPARENT.match(given)
         if m and m.group(2) != "0" * 32 and m.group(3) != "0" * 16 and m.group(1) != "ff":
-            trace_id, parent = m.group(2), traceparent.strip().lower()
+            trace_id, parent = m.group(2), given
         else:
             trace_id = secrets.token_hex(16)
             parent = f"00-{trace_id}-{secrets.token_hex(8)}-01"

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from xlaserve.serving.engine_api import EngineStats
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
-from xlaserve.serving.types import (EngineEvent, GenerationRequest, SamplingParams, Tier,
-                                    TokenLogprob, Usage)
+from xlaserve.serving.types import (
+    EngineEvent,
+    GenerationRequest,
+    SamplingParams,
+    Tier,
+    TokenLogprob,
+    Usage,
+)
 
 
 def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:

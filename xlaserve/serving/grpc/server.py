@@ -23,8 +23,7 @@ from grpc_health.v1._async import HealthServicer
 from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
-from xlaserve.serving.grpc.convert import (event_to_pb, sampling_from_pb, stats_to_pb,
-                                           tier_from_pb)
+from xlaserve.serving.grpc.convert import event_to_pb, sampling_from_pb, stats_to_pb, tier_from_pb
 from xlaserve.serving.types import GenerationRequest
 
 SERVICE = "xlaserve.v1.Generation"
@@ -45,7 +44,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                 f"model {name!r} not served here; models: {sorted(self.engines)}")
         return self.engines[name]
 
-    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (grpc naming)
+    async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         engine = await self._engine(request.model, context)
         bad = grpc.StatusCode.INVALID_ARGUMENT
@@ -89,7 +88,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 with contextlib.suppress(BaseException):
                     await aclose()
 
-    async def Abort(self, request: pb.AbortRequest,  # noqa: N802
+    async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         engines = [await self._engine(request.model, context)] if request.model else \
             list(self.engines.values())
@@ -97,13 +96,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await e.abort(request.request_id)
         return pb.AbortResponse()
 
-    async def ListModels(self, request: pb.ListModelsRequest,  # noqa: N802
+    async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[
             pb.ModelInfo(name=n, max_model_len=e.max_model_len, ready=e.ready)
             for n, e in self.engines.items()])
 
-    async def GetStats(self, request: pb.GetStatsRequest,  # noqa: N802
+    async def GetStats(self, request: pb.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> pb.EngineStats:
         e = await self._engine(request.model, context)
         return stats_to_pb(e.stats(), e.service_rate(), e.ready)

@@ -31,9 +31,16 @@ from xlaserve.serving.admission import Rejected
 from xlaserve.serving.gateway.auth import AuthError, Principal
 from xlaserve.serving.gateway.ratelimit import RateLimited
 from xlaserve.serving.gateway.tracing import TraceContext
-from xlaserve.serving.http.protocol import (ApiError, ParsedRequest, chat_logprobs,
-                                            completion_logprobs, decode_body, parse_chat,
-                                            parse_completion, usage_dict)
+from xlaserve.serving.http.protocol import (
+    ApiError,
+    ParsedRequest,
+    chat_logprobs,
+    completion_logprobs,
+    decode_body,
+    parse_chat,
+    parse_completion,
+    usage_dict,
+)
 from xlaserve.serving.http.state import Choice, Generation, ServingState
 from xlaserve.serving.router import ModelGroup, RoutingError
 from xlaserve.serving.types import EngineEvent, SamplingParams
@@ -176,7 +183,8 @@ def create_app(state: ServingState) -> Quart:
                 state.metrics.rejections.labels(e.code).inc()
                 raise ApiError(429, str(e), None, e.code, {
                     **e.headers, "Retry-After": str(max(1, math.ceil(e.retry_after)))}) from None
-            body = decode_body(await request.get_data(cache=False))
+            raw = await request.get_data(cache=False, as_text=False)
+            body = decode_body(raw if isinstance(raw, bytes) else raw.encode())
             max_n = state.config.max_n
             parsed = parse_chat(body, max_n) if kind == "chat" else parse_completion(body, max_n)
             group, prompts = route(parsed, principal)
@@ -225,7 +233,7 @@ def create_app(state: ServingState) -> Quart:
         if parsed.kind == "chat":
             try:
                 return [tok.encode_chat(parsed.messages)]
-            except Exception as e:  # template errors (raise_exception, missing template)
+            except Exception as e:  # noqa: BLE001 (jinja template errors of any kind) (raise_exception, missing template)
                 raise ApiError(400, f"could not apply the chat template: {e}", "messages",
                                "invalid_value") from None
         out = []

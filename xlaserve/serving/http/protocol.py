@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from xlaserve.serving.types import TokenLogprob
 
@@ -22,7 +22,7 @@ from xlaserve.serving.types import TokenLogprob
 class ApiError(Exception):
     """An error answered with an OpenAI-shaped body {"error": {message, type, param, code}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    TYPES: ClassVar[dict[int, str]] = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
              404: "invalid_request_error", 405: "invalid_request_error",
              413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
              503: "service_unavailable"}

@@ -24,7 +24,7 @@ from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.http.app import create_app
 from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.router import ModelGroup, Replica, Router
-from xlaserve.serving.server_config import ServedModel, ServerConfig, load_config
+from xlaserve.serving.server_config import ServerConfig, load_config
 
 
 def build_state(config: ServerConfig, engines: Mapping[str, Sequence[AsyncEngine]]
@@ -36,10 +36,12 @@ def build_state(config: ServerConfig, engines: Mapping[str, Sequence[AsyncEngine
         if not reps:
             raise ValueError(f"models[{m.id}]: no engine replicas")
         replicas = [Replica(f"{m.id}/{i}", e) for i, e in enumerate(reps)]
+        def engine_rate(rs: list[Replica] = replicas) -> float:
+            return sum(r.engine.service_rate() for r in rs)
+
         admission = AdmissionController(
             config.admission, capacity=m.max_inflight * len(replicas), max_queue=m.max_queue,
-            replicas=len(replicas),
-            engine_rate=lambda rs=replicas: sum(r.engine.service_rate() for r in rs))
+            replicas=len(replicas), engine_rate=engine_rate)
         groups.append(ModelGroup(m, replicas, admission, config.router))
     return ServingState(config, Router(groups, config.auto))
 

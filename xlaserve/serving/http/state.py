@@ -131,7 +131,7 @@ class Generation:
                 error="engine stream ended without a finish event")))
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # an engine failure fails this choice, not the server
+        except Exception as e:  # noqa: BLE001 (an engine failure fails this choice, not the server)
             await self._queue.put((c.index, EngineEvent(
                 c.request.request_id, finish_reason="error", error=f"{type(e).__name__}: {e}")))
 
