@@ -170,3 +170,10 @@ def expected_output(tokenizer: Tokenizer, prompt: list[int], max_tokens: int,
             return tokenizer.decode(out), "stop", len(out)
         out.append(tid)
     return tokenizer.decode(out), "length", len(out)
+
+
+def build(model: object) -> FakeEngine:
+    """Engine factory for configs (`engine = "fake_engine:build"`): tokenizer from the model's
+    `path`, FakeEngine keyword arguments from its `engine_args`."""
+    return FakeEngine(Tokenizer.load(model.path), model.name,  # type: ignore[attr-defined]
+                      **dict(model.engine_args))  # type: ignore[attr-defined]

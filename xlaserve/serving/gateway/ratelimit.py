@@ -1,7 +1,8 @@
 """Per-tenant rate limits: a token bucket on requests, a token bucket on tokens (prompt +
 completion) and a daily token quota, with limits chosen by the tenant's tier.
 
-Requests are taken from their bucket when admitted.  Tokens are charged after the fact with the
+Requests are taken from their bucket right after authentication, before the body is read, so
+malformed floods count too.  Tokens are charged after the fact with the
 actual usage (the bucket may go into debt); a request is refused while the tenant's token bucket
 is empty or in debt, or its daily quota is used up.  So one request can overshoot a limit by its
 own size, never by more, and nobody is charged for tokens they did not get.

@@ -18,6 +18,7 @@ GET /ready (engines warm), GET /metrics (Prometheus), GET / (a minimal chat page
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -207,11 +208,25 @@ def create_app(state: ServingState) -> Quart:
         audit_extra: dict[str, Any] = {"user": parsed.user} if parsed.user else {}
         if state.audit is not None and state.audit.include_prompts:
             audit_extra["prompt"] = parsed.messages if kind == "chat" else parsed.prompts
-        gen = Generation(state, group, principal, trace, request.path, ticket, arrived, prompts,
-                         parsed.n, sampling, parsed.priority, audit_extra)
+        try:
+            gen = Generation(state, group, principal, trace, request.path, ticket, arrived,
+                             prompts, parsed.n, sampling, parsed.priority, audit_extra)
+        except BaseException:
+            group.admission.release(ticket)
+            raise
+        # Safety net: a client gone before a streamed body starts never runs the generator's
+        # `finally`; when this request's task ends, close whatever is still open.
+        task = asyncio.current_task()
+        if task is not None:
+            task.add_done_callback(lambda _: _close_orphan(gen))
         if parsed.stream:
             return stream_response(gen, parsed)
         return await full_response(gen, parsed)
+
+    def _close_orphan(gen: Generation) -> None:
+        if not gen.closed:
+            gen.status = 499
+            state.spawn(gen.close())
 
     def route(parsed: ParsedRequest, principal: Principal) -> tuple[ModelGroup, list[list[int]]]:
         try:
