@@ -1,7 +1,7 @@
 """Server configuration: small frozen dataclasses, validated on construction, loaded from a TOML
 or JSON file (presets in `configs/`).  Defaults live here; a file names only what it changes.
 
-    [server]            host, port, grpc_port, tls_cert, tls_key, max_body_bytes, max_n
+    [server]            host, port, tls_cert, tls_key, max_body_bytes, max_n
     [auth]              mode = "none" | "hs256" | "rs256", secret / secret_env / public_key_file,
                         audience, issuer
     [limits.<tier>]     requests_per_minute, tokens_per_minute, tokens_per_day  (0 = unlimited)
@@ -174,7 +174,6 @@ class ServedModel:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    grpc_port: int = 0            # 0 = no gRPC front end
     tls_cert: str = ""
     tls_key: str = ""
     max_body_bytes: int = 1 << 20
@@ -194,8 +193,8 @@ class ServerConfig:
                              "[auth] mode = 'hs256' or 'rs256', or bind 127.0.0.1)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("server.tls_cert and server.tls_key must be given together")
-        if not 0 <= self.port < 65536 or not 0 <= self.grpc_port < 65536:
-            raise ValueError(f"server.port={self.port}, grpc_port={self.grpc_port}: 0..65535")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"server.port={self.port}: must be in 0..65535")
         if self.max_body_bytes < 1024 or self.max_n < 1:
             raise ValueError(f"server.max_body_bytes={self.max_body_bytes} must be >= 1024, "
                              f"max_n={self.max_n} >= 1")

@@ -88,3 +88,32 @@ def test_admission_estimate_slo_and_timeout():
         assert adm.rejections == {"slo": 1, "timeout": 1}
 
     asyncio.run(scenario())
+
+
+def test_admission_weights_in_order():
+    async def scenario() -> list[str]:
+        cfg = AdmissionConfig(slo_wait_s={"free": 100.0})
+        adm = AdmissionController(cfg, capacity=2, max_queue=10)
+        order: list[str] = []
+        big = await adm.acquire(Tier.FREE, weight=3)  # heavier than capacity: runs alone
+        assert adm.running == 3
+
+        async def one(name: str, weight: int) -> None:
+            t = await adm.acquire(Tier.FREE, weight=weight)
+            order.append(name)
+            await asyncio.sleep(0.05)
+            adm.release(t)
+
+        a = asyncio.create_task(one("two", 2))
+        await asyncio.sleep(0)
+        b = asyncio.create_task(one("one", 1))
+        await asyncio.sleep(0)
+        assert adm.waiting == 2 and adm.expected_wait(Tier.FREE) > 0
+        adm.release(big)
+        await asyncio.sleep(0.003)  # "two" wakes and holds its slots for 50 ms
+        assert order == ["two"] and adm.running == 2  # "one" waits behind, no overtaking
+        await asyncio.gather(a, b)
+        assert order == ["two", "one"] and adm.running == 0
+        return order
+
+    asyncio.run(scenario())

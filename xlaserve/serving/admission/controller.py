@@ -1,5 +1,6 @@
-"""Admission control for one model: at most `capacity` requests in the engines at once, a
-bounded priority queue in front, and a wait estimate from Little's law.
+"""Admission control for one model: at most `capacity` engine requests in the engines at once
+(a client request with n choices weighs n), a bounded priority queue in front, and a wait
+estimate from Little's law.
 
     arrive --(slot free, nobody ahead)--> run
            --(queue full / expected wait > tier SLO)--> Rejected(429, Retry-After)
@@ -8,7 +9,8 @@ bounded priority queue in front, and a wait estimate from Little's law.
                                     |-- displaced by a higher tier when full --> Rejected
     run --release()--> next in queue
 
-Expected wait of a newcomer = (requests ahead of it + 1) / service rate  (Little's law, W = L/λ),
+Expected wait of a newcomer = (weight ahead of it + its weight) / service rate  (Little's law,
+W = L/λ),
 where "ahead" counts only queued requests that would be served before it (paid before free),
 and the service rate is the larger of the engines' measured completion rate and
 capacity / (mean measured time in the engine); before anything is measured,
@@ -45,6 +47,7 @@ class Ticket:
     tier: Tier
     priority: int
     arrived: float
+    weight: int = 1
     started: float = 0.0
     queue_time: float = 0.0
     released: bool = False
@@ -92,23 +95,30 @@ class AdmissionController:
         rate = max(rates)
         return rate if rate > 0 else self.config.initial_service_rate * self.replicas
 
-    def expected_wait(self, tier: Tier, priority: int = 0) -> float:
-        ahead = sum(1 for w in self._queue if not w.future.done()
+    def _fits(self, weight: int) -> bool:
+        # A request heavier than the whole capacity still runs, alone.
+        return self._running + weight <= self.capacity or self._running == 0
+
+    def expected_wait(self, tier: Tier, priority: int = 0, weight: int = 1) -> float:
+        ahead = sum(w.ticket.weight for w in self._queue if not w.future.done()
                     and (w.ticket.tier, w.ticket.priority) >= (tier, priority))
-        if self._running < self.capacity and ahead == 0:
+        if ahead == 0 and self._fits(weight):
             return 0.0
-        return (ahead + 1) / self.service_rate()
+        return (ahead + weight) / self.service_rate()
 
     # -- admission -------------------------------------------------------------------------
 
-    async def acquire(self, tier: Tier, priority: int = 0) -> Ticket:
-        """Wait for a slot or raise Rejected.  Cancelling the caller leaves the queue clean."""
+    async def acquire(self, tier: Tier, priority: int = 0, weight: int = 1) -> Ticket:
+        """Wait for `weight` slots or raise Rejected.  Cancelling the caller leaves the queue
+        clean."""
+        assert weight >= 1
         now = self._clock()
-        ticket = Ticket(tier, priority, now)
+        ticket = Ticket(tier, priority, now, weight)
         self._queue = [w for w in self._queue if not w.future.done()]
-        if self._running < self.capacity and not self._queue:
+        heapq.heapify(self._queue)
+        if not self._queue and self._fits(weight):
             return self._start(ticket)
-        wait = self.expected_wait(tier, priority)
+        wait = self.expected_wait(tier, priority, weight)
         slo = self.config.slo(tier)
         if wait > slo:
             raise self._reject("slo", wait - slo,
@@ -134,7 +144,7 @@ class AdmissionController:
             await asyncio.wait_for(asyncio.shield(fut), self.config.max_queue_wait_s)
         except TimeoutError:
             self._drop(waiter)
-            raise self._reject("timeout", self.expected_wait(tier, priority),
+            raise self._reject("timeout", self.expected_wait(tier, priority, weight),
                                f"waited {self.config.max_queue_wait_s:g}s in the admission "
                                "queue") from None
         except BaseException:
@@ -153,25 +163,30 @@ class AdmissionController:
         if ticket.released:
             return
         ticket.released = True
-        elapsed = self._clock() - ticket.started
+        elapsed = self._clock() - ticket.started  # per engine request: they run side by side
         self._mean_service_s = (elapsed if self._mean_service_s == 0
                                 else 0.8 * self._mean_service_s + 0.2 * elapsed)
-        self._running -= 1
+        self._running -= ticket.weight
         self._wake()
 
     # -- internals -------------------------------------------------------------------------
 
     def _start(self, ticket: Ticket) -> Ticket:
-        self._running += 1
+        self._running += ticket.weight
         ticket.started = self._clock()
         ticket.queue_time = ticket.started - ticket.arrived
         return ticket
 
     def _wake(self) -> None:
-        while self._running < self.capacity and self._queue:
-            w = heapq.heappop(self._queue)
+        # Strictly in order: the head waits until it fits, so heavy requests never starve.
+        while self._queue:
+            w = self._queue[0]
             if w.future.done():
+                heapq.heappop(self._queue)
                 continue
+            if not self._fits(w.ticket.weight):
+                return
+            heapq.heappop(self._queue)
             self._start(w.ticket)
             w.future.set_result(None)
 
@@ -181,6 +196,7 @@ class AdmissionController:
             heapq.heapify(self._queue)
         if not waiter.future.done():
             waiter.future.cancel()
+        self._wake()  # it may have been the head that did not fit
 
     def _reject(self, reason: str, retry_after: float, message: str) -> Rejected:
         self.rejections[reason] += 1

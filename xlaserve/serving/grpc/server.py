@@ -4,7 +4,9 @@ engines, plus the standard grpc.health.v1 service (SERVING once every engine is 
 Generate streams the engine's events; if the client cancels the call or its deadline passes,
 grpc cancels the handler and the `finally` aborts the engine request, freeing its blocks.
 `worker_main` runs a local engine behind this server (`xlaserve worker`), the replica a
-front-end router reaches through `RemoteEngine`.
+front-end router reaches through `RemoteEngine`.  This is the internal, worker-side protocol:
+it has no gateway (no JWT, no rate limits), so bind it to loopback or a private network; public
+traffic goes through the HTTP front end.
 """
 
 from __future__ import annotations

@@ -194,7 +194,8 @@ def create_app(state: ServingState) -> Quart:
                 raise ApiError(503, f"model {group.id!r} is still warming up", None,
                                "model_not_ready", {"Retry-After": "5"})
             try:
-                ticket = await group.admission.acquire(principal.tier, parsed.priority)
+                ticket = await group.admission.acquire(principal.tier, parsed.priority,
+                                                       len(prompts) * parsed.n)
             except Rejected as e:
                 state.metrics.rejections.labels(e.reason).inc()
                 raise ApiError(429, f"server overloaded: {e}", None, f"overloaded_{e.reason}",

@@ -98,14 +98,8 @@ async def serve_async(config: ServerConfig, shutdown: asyncio.Event | None = Non
             loop.add_signal_handler(sig, shutdown.set)
         except (NotImplementedError, RuntimeError):
             pass
-    tasks = [serve(create_app(state), hypercorn_config(config),  # type: ignore[arg-type]
-                   shutdown_trigger=shutdown.wait)]
-    if config.grpc_port:
-        from xlaserve.serving.grpc.server import serve_grpc
-
-        models = {g.name: g.replicas[0].engine for g in state.router.groups}
-        tasks.append(serve_grpc(models, f"{config.host}:{config.grpc_port}", shutdown))
-    await asyncio.gather(*tasks)
+    await serve(create_app(state), hypercorn_config(config),  # type: ignore[arg-type]
+                shutdown_trigger=shutdown.wait)
 
 
 def serve_main(argv: list[str] | None = None) -> int:
