@@ -46,7 +46,7 @@ def auth_server(make_server, tmp_path):
     return make_server(cfg)
 
 
-def test_auth_failures_are_401(auth_server):
+def test_auth_failures_are_401(auth_server, tmp_path):
     srv = auth_server
     cases = {
         "none": None,
@@ -63,6 +63,9 @@ def test_auth_failures_are_401(auth_server):
         assert r.status_code == 401, why
         assert r.json()["error"]["type"] == "authentication_error", why
     assert httpx.get(srv.url + "/v1/models").status_code == 401
+    audit = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [x["status"] for x in audit] == [401] * len(cases)
+    assert all(x["tenant"] is None for x in audit)
 
 
 def test_tiers_and_model_claims(auth_server):
@@ -98,11 +101,15 @@ def test_request_rate_limit_then_daily_quota(auth_server, tmp_path):
     assert r.status_code == 429 and r.json()["error"]["code"] == "daily_quota_exceeded"
     assert int(r.headers["Retry-After"]) <= 86400
     lines = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
-    assert len(lines) == 5  # only requests that reached an engine
+    assert [x["status"] for x in lines] == [200, 200, 200, 429, 200, 200, 429]
+    assert lines[3]["error"] == "rate_limit_exceeded" and lines[3]["tenant"] == "acme"
+    assert lines[6]["error"] == "daily_quota_exceeded" and lines[6]["tenant"] == "q"
     rec = lines[0]
     assert rec["tenant"] == "acme" and rec["model"] == "fake@1" and rec["status"] == 200
     assert rec["prompt_tokens"] == 2 and rec["completion_tokens"] == 3
     assert "prompt" not in rec and "hello" not in json.dumps(lines)
+    assert len({x["request_id"] for x in lines}) == len(lines)
+    assert all(x["latency_s"] >= 0 and x["trace_id"] for x in lines)
 
 
 def test_rs256_keys_from_file(make_server, tmp_path):
@@ -129,3 +136,12 @@ def test_no_auth_on_public_bind_refuses_to_start():
         ServerConfig(host="0.0.0.0", models=(ServedModel("fake"),))
     ServerConfig(host="0.0.0.0", auth=AuthConfig(mode="hs256", secret="x"))
     ServerConfig(host="::1")
+
+
+def test_audit_prompts_only_when_configured(make_server, tmp_path):
+    cfg = ServerConfig(models=(ServedModel("fake"),), audit=AuditConfig(
+        path=str(tmp_path / "a.jsonl"), include_prompts=True))
+    srv = make_server(cfg)
+    assert post(srv, None).status_code == 200
+    rec = json.loads((tmp_path / "a.jsonl").read_text())
+    assert rec["prompt"] == ["hello world"] and rec["tenant"] == "local"

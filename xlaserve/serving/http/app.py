@@ -176,6 +176,8 @@ def create_app(state: ServingState) -> Quart:
     async def generate(kind: str) -> Response:
         arrived = time.monotonic()
         trace: TraceContext = g.trace
+        principal: Principal | None = None
+        model: str | None = None
         try:
             principal = authenticate()
             try:
@@ -184,11 +186,19 @@ def create_app(state: ServingState) -> Quart:
                 state.metrics.rejections.labels(e.code).inc()
                 raise ApiError(429, str(e), None, e.code, {
                     **e.headers, "Retry-After": str(max(1, math.ceil(e.retry_after)))}) from None
-            raw = await request.get_data(cache=False, as_text=False)
+            try:
+                raw = await request.get_data(cache=False, as_text=False)
+            except HTTPException as e:
+                raise ApiError(e.code or 400, f"Request body exceeds the limit of "
+                               f"{state.config.max_body_bytes} bytes" if e.code == 413
+                               else str(e.description), None,
+                               "request_too_large" if e.code == 413 else None) from None
             body = decode_body(raw if isinstance(raw, bytes) else raw.encode())
+            model = body.get("model") if isinstance(body.get("model"), str) else None
             max_n = state.config.max_n
             parsed = parse_chat(body, max_n) if kind == "chat" else parse_completion(body, max_n)
             group, prompts = route(parsed, principal)
+            model = group.id
             sampling = sampling_params(parsed, group, prompts)
             if not group.ready:
                 raise ApiError(503, f"model {group.id!r} is still warming up", None,
@@ -203,6 +213,15 @@ def create_app(state: ServingState) -> Quart:
         except ApiError as e:
             if e.status == 400:
                 state.metrics.rejections.labels("invalid_request").inc()
+            if state.audit is not None:
+                state.audit.write({
+                    "ts": round(time.time(), 3), "request_id": trace.request_id,
+                    "trace_id": trace.trace_id,
+                    "tenant": principal.tenant if principal else None,
+                    "tier": principal.tier.name.lower() if principal else None,
+                    "model": model, "endpoint": request.path, "status": e.status,
+                    "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                    "latency_s": round(time.monotonic() - arrived, 4), "error": e.code})
             return error_response(e)
         if parsed.model == "auto":
             g.extra_headers[ROUTED_HEADER] = group.id
@@ -249,7 +268,7 @@ def create_app(state: ServingState) -> Quart:
         if parsed.kind == "chat":
             try:
                 return [tok.encode_chat(parsed.messages)]
-            except Exception as e:  # noqa: BLE001 (jinja template errors of any kind) (raise_exception, missing template)
+            except Exception as e:  # noqa: BLE001 (any template error, raise_exception too)
                 raise ApiError(400, f"could not apply the chat template: {e}", "messages",
                                "invalid_value") from None
         out = []
