@@ -44,6 +44,11 @@ CASES = [
     ("chat", {"model": "fake", "messages": CHAT, "stop": [1]}, 400, "stop"),
     ("chat", {"model": "fake", "messages": CHAT, "stop": [""]}, 400, "stop"),
     ("chat", {"model": "fake", "messages": CHAT, "seed": "x"}, 400, "seed"),
+    ("chat", {"model": "fake", "messages": CHAT, "seed": 2 ** 64}, 400, "seed"),
+    ("chat", {"model": "fake", "messages": CHAT, "n": 2.5}, 400, "n"),
+    ("chat", {"model": "fake", "messages": CHAT, "stream": "yes"}, 400, "stream"),
+    ("chat", {"model": "fake", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content"),
     ("chat", {"model": "fake", "messages": CHAT, "presence_penalty": 3}, 400,
      "presence_penalty"),
     ("chat", {"model": "fake", "messages": CHAT, "frequency_penalty": -3}, 400,

@@ -207,7 +207,7 @@ def _parse_common(body: dict[str, Any], kind: str, max_n: int) -> ParsedRequest:
     top_k = _int(body, "top_k", -1)
     if top_k is not None:
         s["top_k"] = max(top_k, 0)  # -1 (vLLM) and 0 both mean off
-    seed = _int(body, "seed", -(2 ** 63), 2 ** 64 - 1)
+    seed = _int(body, "seed", -(2 ** 63), 2 ** 63 - 1 - 64)  # int64, room for seed + choice
     if seed is not None:
         s["seed"] = seed
     stop = body.get("stop")
