@@ -104,3 +104,28 @@ def test_engine_failure_is_5xx_and_server_keeps_serving(make_server, tokenizer):
     ok = httpx.post(srv.url + "/v1/completions", json={**body, "prompt": "four five six"})
     assert ok.status_code == 200
     assert eng.blocks_in_use == 0
+
+
+def test_engine_exception_fails_only_that_request(make_server, tokenizer):
+    from xlaserve.serving.engine_api import AsyncEngine
+    from xlaserve.serving.grpc.client import RemoteEngine
+
+    class Exploding(FakeEngine):
+        def submit(self, request):  # type: ignore[override]
+            if "boom" in self.tokenizer.decode(request.prompt_token_ids):
+                raise RuntimeError("device step failed")
+            return super().submit(request)
+
+    eng = Exploding(tokenizer, "fake")
+    assert isinstance(eng, AsyncEngine)
+    assert isinstance(RemoteEngine("127.0.0.1:1", "fake", tokenizer), AsyncEngine)
+    srv = make_server(ServerConfig(models=(ServedModel("fake"),)), {"fake@1": [eng]})
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "fake", "prompt": "boom now"})
+    assert r.status_code == 500 and "device step failed" in r.json()["error"]["message"]
+    ok = httpx.post(srv.url + "/v1/completions", json={"model": "fake", "prompt": "fine now"})
+    assert ok.status_code == 200
+    adm = srv.state.router.groups[0].admission
+    assert adm.running == 0 and srv.state.router.groups[0].replicas[0].inflight == 0
+    m = httpx.get(srv.url + "/metrics").text
+    assert 'xlaserve_requests_total{finish_reason="error",model="fake@1"} 1.0' in m
+    assert 'xlaserve_time_to_first_token_seconds_count{model="fake@1"} 1.0' in m
