@@ -85,10 +85,11 @@ def test_tls(make_server, tmp_path):
     srv = make_server(cfg)
     assert srv.url.startswith("https://")
     r = httpx.post(srv.url + "/v1/completions",
-                   json={"model": "fake", "prompt": "hi there", "max_tokens": 2}, verify=ssl.create_default_context(cafile=cert))
+                   json={"model": "fake", "prompt": "hi there", "max_tokens": 2},
+                   verify=ssl.create_default_context(cafile=cert))
     assert r.status_code == 200
-    with pytest.raises(httpx.HTTPError):
-        httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=2)  # plain HTTP is not served
+    with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
+        httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=2)
 
 
 def test_engine_failure_is_5xx_and_server_keeps_serving(make_server, tokenizer):

@@ -22,10 +22,11 @@ from xlaserve.serving.types import TokenLogprob
 class ApiError(Exception):
     """An error answered with an OpenAI-shaped body {"error": {message, type, param, code}}."""
 
-    TYPES: ClassVar[dict[int, str]] = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "invalid_request_error", 405: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-             503: "service_unavailable"}
+    TYPES: ClassVar[dict[int, str]] = {
+        400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+        404: "invalid_request_error", 405: "invalid_request_error",
+        413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+        503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None):
