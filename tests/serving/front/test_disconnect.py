@@ -1,0 +1,78 @@
+"""A client that goes away (while queued, in prefill, or in decode) aborts its engine request
+at once and every KV block comes back."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import wait_for
+
+from xlaserve.serving.server_config import ServedModel, ServerConfig
+
+# A plain prompt: its reversal never reaches an EOS id, so generation runs to max_tokens.
+BODY = {"model": "fake", "prompt": "tell me a long story", "max_tokens": 200}
+URL = "/v1/completions"
+
+
+def engine_of(srv):
+    return srv.state.router.groups[0].replicas[0].engine
+
+
+def test_disconnect_during_decode_stream(make_server):
+    srv = make_server(token_delay=0.05)
+    eng = engine_of(srv)
+    with httpx.Client(timeout=10) as c, c.stream("POST", srv.url + URL,
+                  json={**BODY, "stream": True}) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+            if got >= 4:
+                assert eng.blocks_in_use > 0 and eng.running
+                break  # closing the iterator closes the connection
+    t0 = time.monotonic()
+    assert wait_for(lambda: eng.blocks_in_use == 0 and not eng.running, 3)
+    assert time.monotonic() - t0 < 2  # far sooner than the 10 s the generation would take
+    assert len(eng.aborted) == 1
+    assert srv.state.router.groups[0].admission.running == 0
+
+
+def test_disconnect_during_prefill_nonstream(make_server):
+    srv = make_server(prefill_delay=30)
+    eng = engine_of(srv)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + URL, json=BODY, timeout=0.5)
+    assert wait_for(lambda: eng.blocks_in_use == 0 and not eng.running, 3)
+    assert len(eng.aborted) == 1 and eng.finished
+
+
+def test_disconnect_while_queued(make_server, tokenizer):
+    from fake_engine import FakeEngine
+
+    cfg = ServerConfig(models=(ServedModel("fake", max_inflight=1, max_queue=4),))
+    eng = FakeEngine(tokenizer, "fake", token_delay=0.1)
+    srv = make_server(cfg, {"fake@1": [eng]})
+    adm = srv.state.router.groups[0].admission
+    first = threading.Thread(target=lambda: httpx.post(
+        srv.url + URL, json={**BODY, "max_tokens": 15}, timeout=10))
+    first.start()
+    assert wait_for(lambda: adm.running == 1)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + URL, json=BODY, timeout=0.4)
+    assert wait_for(lambda: adm.waiting == 0, 2)
+    first.join(10)
+    assert wait_for(lambda: adm.running == 0)
+    assert len(eng.submitted) == 1  # the queued request never reached the engine
+    assert eng.blocks_in_use == 0
+
+
+def test_n2_disconnect_aborts_both(make_server):
+    srv = make_server(token_delay=0.05)
+    eng = engine_of(srv)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + URL, json={**BODY, "n": 2}, timeout=0.4)
+    assert wait_for(lambda: eng.blocks_in_use == 0 and not eng.running, 3)
+    assert len(eng.aborted) == 2

@@ -1,0 +1,97 @@
+"""`serve_main` and `worker_main` as real processes: a worker serving a fake engine over gRPC,
+and a front end whose config routes the model to it, driven by the openai client, then shut
+down by SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+from conftest import free_port
+from fake_engine import expected_ids
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+
+
+def spawn(fn: str, args: list[str]) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
+    code = f"import sys; from {fn.rsplit('.', 1)[0]} import {fn.rsplit('.', 1)[1]} as f; " \
+           "sys.exit(f(sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_worker_and_server_processes(tmp_path, tokenizer):
+    model_dir = os.environ.get("XLASERVE_MODEL_DIR", "/tmp/smolconv")
+    wport, hport = free_port(), free_port()
+    (tmp_path / "worker.toml").write_text(f"""
+[[models]]
+name = "fake"
+path = "{model_dir}"
+engine = "fake_engine:build"
+engine_args = {{ token_delay = 0.01 }}
+""")
+    (tmp_path / "serve.toml").write_text(f"""
+[server]
+port = {hport}
+[[models]]
+name = "fake"
+path = "{model_dir}"
+replicas = ["grpc://127.0.0.1:{wport}"]
+""")
+    worker = spawn("xlaserve.serving.grpc.server.worker_main",
+                   ["--config", str(tmp_path / "worker.toml"), "--model", "fake",
+                    "--port", str(wport)])
+    server = None
+    try:
+        time.sleep(0.5)
+        server = spawn("xlaserve.serving.http.server.serve_main",
+                       ["--config", str(tmp_path / "serve.toml")])
+        url = f"http://127.0.0.1:{hport}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None and worker.poll() is None
+            time.sleep(0.1)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = c.completions.create(model="fake", prompt="over the wire", max_tokens=3, n=2)
+        want = tokenizer.decode(expected_ids(tokenizer.encode("over the wire"), 3))
+        assert [ch.text for ch in r.choices] == [want, want]
+        texts = {0: "", 1: ""}
+        for ch in c.completions.create(model="fake", prompt="over the wire", max_tokens=3,
+                                       n=2, stream=True):
+            for choice in ch.choices:
+                texts[choice.index] += choice.text
+        assert texts == {0: want, 1: want}
+        bad = httpx.post(url + "/v1/completions", json={"model": "fake"},
+                         headers={"x-request-id": "bad-1"})
+        assert bad.status_code == 400 and bad.headers["x-request-id"] == "bad-1"
+    finally:
+        for p in (server, worker):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in (server, worker):
+            if p is not None:
+                try:
+                    assert p.wait(15) == 0, p.stdout.read().decode()[-2000:] if p.stdout else ""
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    raise
+
+
+def test_serve_refuses_public_bind_without_auth(tmp_path):
+    (tmp_path / "c.toml").write_text('[server]\nhost = "0.0.0.0"\n[[models]]\nname = "m"\n')
+    p = spawn("xlaserve.serving.http.server.serve_main", ["--config", str(tmp_path / "c.toml")])
+    out = p.communicate(timeout=30)[0].decode()
+    assert p.returncode == 2 and "refusing to serve without authentication" in out

@@ -1,0 +1,119 @@
+"""Host-only pieces with a fake clock: token buckets and quotas, trace context, admission
+estimates and bounds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from xlaserve.serving.admission import AdmissionController, Rejected
+from xlaserve.serving.gateway.ratelimit import RateLimited, RateLimiter
+from xlaserve.serving.gateway.tracing import TraceContext
+from xlaserve.serving.server_config import AdmissionConfig, TierLimits
+from xlaserve.serving.types import Tier
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_token_bucket_debt_and_refill():
+    clock = Clock()
+    wall = Clock()
+    wall.t = 86400 * 100 + 3600.0  # 01:00 UTC
+    lim = RateLimiter(lambda tier: TierLimits(tokens_per_minute=600, tokens_per_day=1500),
+                      clock, wall)
+    lim.check("a", Tier.FREE)
+    lim.charge("a", Tier.FREE, 900)          # 300 into debt: refused until refilled
+    with pytest.raises(RateLimited) as e:
+        lim.check("a", Tier.FREE)
+    assert e.value.code == "rate_limit_exceeded"
+    assert e.value.retry_after == pytest.approx(30.1, abs=0.01)  # 301 tokens at 10/s
+    clock.t += 31
+    h = lim.check("a", Tier.FREE)
+    assert h["x-ratelimit-remaining-tokens-day"] == "600"
+    lim.charge("a", Tier.FREE, 600)          # day total 1500: quota used up
+    clock.t += 3600
+    with pytest.raises(RateLimited) as e:
+        lim.check("a", Tier.FREE)
+    assert e.value.code == "daily_quota_exceeded"
+    assert e.value.retry_after == pytest.approx(23 * 3600)
+    wall.t += 23 * 3600                      # next UTC day: quota resets
+    lim.check("a", Tier.FREE)
+    lim.check("b", Tier.FREE)                # other tenants never shared a bucket
+
+
+def test_trace_context():
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    t = TraceContext.from_headers("my-id", tp)
+    assert (t.request_id, t.trace_id, t.traceparent) == (
+        "my-id", "4bf92f3577b34da6a3ce929d0e0e4736", tp)
+    for bad in ("garbage", "00-" + "0" * 32 + "-00f067aa0ba902b7-01", None):
+        t = TraceContext.from_headers("bad id with spaces", bad)
+        assert t.request_id.startswith("req-") and len(t.trace_id) == 32
+        assert t.traceparent.split("-")[1] == t.trace_id
+
+
+def test_admission_estimate_slo_and_timeout():
+    clock = Clock()
+
+    async def scenario() -> None:
+        cfg = AdmissionConfig(slo_wait_s={"free": 2.0, "paid": 10.0}, initial_service_rate=1.0,
+                              max_queue_wait_s=0.2)
+        adm = AdmissionController(cfg, capacity=1, max_queue=10, clock=clock)
+        t = await adm.acquire(Tier.FREE)
+        assert adm.expected_wait(Tier.FREE) == 1.0   # 1 ahead-or-new / 1 per s
+        waiters = [asyncio.create_task(adm.acquire(Tier.FREE)) for _ in range(2)]
+        await asyncio.sleep(0)
+        # 2 queued: a third free request would wait 3 s > 2 s SLO; a paid one 1 s
+        with pytest.raises(Rejected) as e:
+            await adm.acquire(Tier.FREE)
+        assert e.value.reason == "slo" and e.value.retry_after == 1
+        assert adm.expected_wait(Tier.PAID) == 1.0
+        # measured service time 0.5 s per request -> rate 2/s, the estimate halves
+        clock.t += 0.5
+        adm.release(t)
+        await asyncio.sleep(0)
+        assert adm.service_rate() == 2.0
+        # the queued ones time out after max_queue_wait_s (never an unbounded wait)
+        results = await asyncio.gather(*waiters, return_exceptions=True)
+        assert isinstance(results[1], Rejected) and results[1].reason == "timeout"
+        adm.release(results[0])
+        assert adm.running == 0 and adm.waiting == 0
+        assert adm.rejections == {"slo": 1, "timeout": 1}
+
+    asyncio.run(scenario())
+
+
+def test_admission_weights_in_order():
+    async def scenario() -> list[str]:
+        cfg = AdmissionConfig(slo_wait_s={"free": 100.0})
+        adm = AdmissionController(cfg, capacity=2, max_queue=10)
+        order: list[str] = []
+        big = await adm.acquire(Tier.FREE, weight=3)  # heavier than capacity: runs alone
+        assert adm.running == 3
+
+        async def one(name: str, weight: int) -> None:
+            t = await adm.acquire(Tier.FREE, weight=weight)
+            order.append(name)
+            await asyncio.sleep(0.05)
+            adm.release(t)
+
+        a = asyncio.create_task(one("two", 2))
+        await asyncio.sleep(0)
+        b = asyncio.create_task(one("one", 1))
+        await asyncio.sleep(0)
+        assert adm.waiting == 2 and adm.expected_wait(Tier.FREE) > 0
+        adm.release(big)
+        await asyncio.sleep(0.003)  # "two" wakes and holds its slots for 50 ms
+        assert order == ["two"] and adm.running == 2  # "one" waits behind, no overtaking
+        await asyncio.gather(a, b)
+        assert order == ["two", "one"] and adm.running == 0
+        return order
+
+    asyncio.run(scenario())

@@ -1,0 +1,94 @@
+"""Engine messages <-> protobuf messages (both directions, used by server and client)."""
+
+from __future__ import annotations
+
+from xlaserve.serving.engine_api import EngineStats
+from xlaserve.serving.grpc import xlaserve_pb2 as pb
+from xlaserve.serving.types import (
+    EngineEvent,
+    GenerationRequest,
+    SamplingParams,
+    Tier,
+    TokenLogprob,
+    Usage,
+)
+
+
+def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
+    m = pb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                          top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
+                          frequency_penalty=s.frequency_penalty, stop=list(s.stop),
+                          stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    if s.seed is not None:
+        m.seed = s.seed
+    if s.logprobs is not None:
+        m.logprobs = s.logprobs
+    return m
+
+
+def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError (naming the field) for out-of-range values.  top_p 0 means unset."""
+    return SamplingParams(
+        max_tokens=m.max_tokens, temperature=round(m.temperature, 6),
+        top_p=round(m.top_p, 6) if m.top_p else 1.0, top_k=m.top_k, min_p=round(m.min_p, 6),
+        presence_penalty=round(m.presence_penalty, 6),
+        frequency_penalty=round(m.frequency_penalty, 6),
+        seed=m.seed if m.HasField("seed") else None, stop=tuple(m.stop),
+        stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
+        logprobs=m.logprobs if m.HasField("logprobs") else None)
+
+
+def request_to_pb(r: GenerationRequest, model: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(model=model, request_id=r.request_id,
+                              prompt_token_ids=r.prompt_token_ids,
+                              sampling=sampling_to_pb(r.sampling), tier=int(r.tier),
+                              priority=r.priority, tenant=r.tenant)
+
+
+def event_to_pb(e: EngineEvent) -> pb.GenerateResponse:
+    m = pb.GenerateResponse(request_id=e.request_id, token_ids=list(e.token_ids), text=e.text,
+                            finish_reason=e.finish_reason or "", error=e.error or "")
+    for lp in e.logprobs:
+        m.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                          top_token_ids=[t for t, _ in lp.top],
+                                          top_logprobs=[v for _, v in lp.top]))
+    if e.usage is not None:
+        m.usage.CopyFrom(pb.Usage(prompt_tokens=e.usage.prompt_tokens,
+                                  completion_tokens=e.usage.completion_tokens,
+                                  cached_tokens=e.usage.cached_tokens))
+    return m
+
+
+def event_from_pb(m: pb.GenerateResponse) -> EngineEvent:
+    return EngineEvent(
+        request_id=m.request_id, token_ids=tuple(m.token_ids), text=m.text,
+        logprobs=tuple(TokenLogprob(lp.token_id, lp.logprob,
+                                    tuple(zip(lp.top_token_ids, lp.top_logprobs)))
+                       for lp in m.logprobs),
+        finish_reason=m.finish_reason or None,
+        usage=Usage(m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.cached_tokens)
+        if m.HasField("usage") else None,
+        error=m.error or None)
+
+
+def tier_from_pb(v: int) -> Tier:
+    try:
+        return Tier(v)
+    except ValueError:
+        raise ValueError(f"tier={v}: must be one of {[int(t) for t in Tier]}") from None
+
+
+def stats_to_pb(s: EngineStats, rate: float, ready: bool) -> pb.EngineStats:
+    return pb.EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
+                          kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used,
+                          kv_blocks_cached=s.kv_blocks_cached,
+                          prefix_cache_queries=s.prefix_cache_queries,
+                          prefix_cache_hits=s.prefix_cache_hits,
+                          num_preemptions=s.num_preemptions, num_finished=s.num_finished,
+                          service_rate=rate, ready=ready)
+
+
+def stats_from_pb(m: pb.EngineStats) -> EngineStats:
+    return EngineStats(m.num_running, m.num_waiting, m.kv_blocks_total, m.kv_blocks_used,
+                       m.kv_blocks_cached, m.prefix_cache_queries, m.prefix_cache_hits,
+                       m.num_preemptions, m.num_finished)

@@ -1,0 +1,194 @@
+"""The gRPC front end: `Generation` (Generate / Abort / ListModels / GetStats) over one or more
+engines, plus the standard grpc.health.v1 service (SERVING once every engine is ready).
+
+Generate streams the engine's events; if the client cancels the call or its deadline passes,
+grpc cancels the handler and the `finally` aborts the engine request, freeing its blocks.
+`worker_main` runs a local engine behind this server (`xlaserve worker`), the replica a
+front-end router reaches through `RemoteEngine`.  This is the internal, worker-side protocol:
+it has no gateway (no JWT, no rate limits), so bind it to loopback or a private network; public
+traffic goes through the HTTP front end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import secrets
+import sys
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from xlaserve.serving.engine_api import AsyncEngine
+from xlaserve.serving.grpc import xlaserve_pb2 as pb
+from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
+from xlaserve.serving.grpc.convert import event_to_pb, sampling_from_pb, stats_to_pb, tier_from_pb
+from xlaserve.serving.types import GenerationRequest
+
+SERVICE = "xlaserve.v1.Generation"
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, engines: Mapping[str, AsyncEngine]):
+        if not engines:
+            raise ValueError("GenerationServicer needs at least one engine")
+        self.engines = dict(engines)
+        self.inflight: set[str] = set()
+
+    async def _engine(self, name: str, context: grpc.aio.ServicerContext) -> AsyncEngine:
+        if not name and len(self.engines) == 1:
+            return next(iter(self.engines.values()))
+        if name not in self.engines:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"model {name!r} not served here; models: {sorted(self.engines)}")
+        return self.engines[name]
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        engine = await self._engine(request.model, context)
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        ids = list(request.prompt_token_ids) or (
+            engine.tokenizer.encode(request.prompt) if request.prompt else [])
+        if not ids:
+            await context.abort(bad, "prompt_token_ids or prompt is required")
+        try:
+            sampling = sampling_from_pb(request.sampling)
+            tier = tier_from_pb(request.tier)
+        except ValueError as e:
+            await context.abort(bad, str(e))
+        if len(ids) + sampling.max_tokens > engine.max_model_len:
+            await context.abort(bad, f"prompt ({len(ids)} tokens) + max_tokens "
+                                     f"({sampling.max_tokens}) > max_model_len "
+                                     f"{engine.max_model_len}")
+        rid = request.request_id or "grpc-" + secrets.token_hex(8)
+        if rid in self.inflight:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is running")
+        if not engine.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is warming up")
+        self.inflight.add(rid)
+        finished = False
+        loop = asyncio.get_running_loop()
+        stream = engine.submit(GenerationRequest(rid, ids, sampling, tier, request.priority,
+                                                 request.tenant, None, loop.time()))
+        try:
+            async for ev in stream:
+                yield event_to_pb(ev)
+                if ev.finished:
+                    finished = True
+                    break
+        finally:
+            self.inflight.discard(rid)
+            if not finished:  # cancelled, deadline, or the engine stream broke
+                abort = asyncio.ensure_future(engine.abort(rid))
+                with contextlib.suppress(BaseException):  # the original exception goes on
+                    await asyncio.shield(abort)
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(BaseException):
+                    await aclose()
+
+    async def Abort(self, request: pb.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        engines = [await self._engine(request.model, context)] if request.model else \
+            list(self.engines.values())
+        for e in engines:
+            await e.abort(request.request_id)
+        return pb.AbortResponse()
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[
+            pb.ModelInfo(name=n, max_model_len=e.max_model_len, ready=e.ready)
+            for n, e in self.engines.items()])
+
+    async def GetStats(self, request: pb.GetStatsRequest,
+                       context: grpc.aio.ServicerContext) -> pb.EngineStats:
+        e = await self._engine(request.model, context)
+        return stats_to_pb(e.stats(), e.service_rate(), e.ready)
+
+
+async def _watch_health(health: HealthServicer, engines: Mapping[str, AsyncEngine]) -> None:
+    last = None
+    while True:
+        ok = all(e.ready for e in engines.values())
+        if ok != last:
+            status = (health_pb2.HealthCheckResponse.SERVING if ok
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for svc in ("", SERVICE):
+                await health.set(svc, status)
+            last = ok
+        await asyncio.sleep(0.25)
+
+
+async def start_grpc_server(engines: Mapping[str, AsyncEngine], address: str
+                            ) -> tuple[grpc.aio.Server, int, asyncio.Task[None]]:
+    """Start serving on `address` ("host:port", port 0 = any); returns (server, port, health
+    watcher task).  Call `server.stop(grace)` and cancel the task to shut down."""
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engines), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise ValueError(f"gRPC: could not bind {address!r}")
+    await server.start()
+    watcher = asyncio.ensure_future(_watch_health(health, engines))
+    return server, port, watcher
+
+
+async def serve_grpc(engines: Mapping[str, AsyncEngine], address: str,
+                     shutdown: asyncio.Event) -> None:
+    for e in engines.values():
+        start = getattr(e, "start", None)
+        if start is not None:
+            await start()
+    server, _, watcher = await start_grpc_server(engines, address)
+    try:
+        await shutdown.wait()
+    finally:
+        watcher.cancel()
+        await server.stop(5)
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """`xlaserve worker --config C --model NAME[@VERSION] [--host H] [--port P]`: build the
+    model's local engine (its `engine` factory in the config) and serve it over gRPC."""
+    from xlaserve.serving.http.server import _import
+    from xlaserve.serving.server_config import load_config
+
+    p = argparse.ArgumentParser(prog="xlaserve worker")
+    p.add_argument("--config", required=True)
+    p.add_argument("--model", required=True, help="model name or name@version in the config")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    args = p.parse_args(argv)
+
+    async def run() -> None:
+        config = load_config(args.config)
+        matches = [m for m in config.models if args.model in (m.id, m.name)]
+        if not matches:
+            raise ValueError(f"--model {args.model!r} not in {[m.id for m in config.models]}")
+        m = matches[0]
+        if not m.engine:
+            raise ValueError(f"models[{m.id}] has no engine factory ('module:function')")
+        built = _import(m.engine)(m)
+        engine = await built if asyncio.iscoroutine(built) else built
+        shutdown = asyncio.Event()
+        import signal
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, shutdown.set)
+        await serve_grpc({m.name: engine}, f"{args.host}:{args.port}", shutdown)
+
+    try:
+        asyncio.run(run())
+    except (ValueError, FileNotFoundError) as e:
+        print(f"xlaserve worker: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

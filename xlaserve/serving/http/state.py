@@ -1,0 +1,215 @@
+"""What one HTTP app serves with: config, router (model groups with their admission queues and
+replicas), gateway parts and metrics; and `Generation`, one client request's fan-out into
+engine requests with the bookkeeping that must happen however it ends.
+
+    Generation.start()  -> pick a replica per choice, submit, merge the event streams
+    Generation.events() -> (choice index, EngineEvent) as they come, each stream ending once
+    Generation.close()  -> abort unfinished engine requests, release the admission slot,
+                           charge tokens, observe metrics, write the audit line   (exactly once)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from xlaserve.serving.admission import Ticket
+from xlaserve.serving.engine_api import AsyncEngine
+from xlaserve.serving.gateway.audit import AuditLog
+from xlaserve.serving.gateway.auth import Authenticator, Principal
+from xlaserve.serving.gateway.ratelimit import RateLimiter
+from xlaserve.serving.gateway.tracing import TraceContext
+from xlaserve.serving.metrics import EngineSource, Metrics
+from xlaserve.serving.router import ModelGroup, Replica, Router
+from xlaserve.serving.server_config import ServerConfig
+from xlaserve.serving.types import EngineEvent, GenerationRequest, SamplingParams, Usage
+
+
+class ServingState:
+    def __init__(self, config: ServerConfig, router: Router):
+        self.config = config
+        self.router = router
+        self.auth = Authenticator(config.auth)
+        self.limiter = RateLimiter(config.tier_limits)
+        self.audit = AuditLog(config.audit.path, config.audit.include_prompts) \
+            if config.audit.path else None
+        self.metrics = Metrics(self._engine_sources)
+        self.engine_ids: set[str] = set()          # engine request ids in flight
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def _engine_sources(self) -> list[EngineSource]:
+        return [(g.id, r.name, r.engine.stats) for g in self.router.groups for r in g.replicas]
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.router.groups) and all(g.ready for g in self.router.groups)
+
+    def update_admission_gauges(self) -> None:
+        for g in self.router.groups:
+            self.metrics.admission_running.labels(g.id).set(g.admission.running)
+            self.metrics.admission_waiting.labels(g.id).set(g.admission.waiting)
+
+    def new_engine_id(self, base: str) -> str:
+        rid = base if base not in self.engine_ids else f"{base}~{secrets.token_hex(3)}"
+        self.engine_ids.add(rid)
+        return rid
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """Run `coro` to completion even if the caller is cancelled (cleanup paths)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    request: GenerationRequest
+    replica: Replica
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    first_at: float = 0.0
+    last_at: float = 0.0
+
+
+class Generation:
+    def __init__(self, state: ServingState, group: ModelGroup, principal: Principal,
+                 trace: TraceContext, endpoint: str, ticket: Ticket, arrived: float,
+                 prompts: list[list[int]], n: int, sampling: SamplingParams, priority: int,
+                 audit_extra: dict[str, Any]):
+        self.state = state
+        self.group = group
+        self.principal = principal
+        self.trace = trace
+        self.endpoint = endpoint
+        self.ticket = ticket
+        self.arrived = arrived
+        self.prompts = prompts
+        self.audit_extra = audit_extra
+        self.status = 200
+        self.closed = False
+        self.choices: list[Choice] = []
+        fan = len(prompts) * n
+        for p, ids in enumerate(prompts):
+            for j in range(n):
+                i = p * n + j
+                s = sampling
+                if n > 1 and s.seed is not None:  # distinct but reproducible choices
+                    s = SamplingParams(**{**s.__dict__, "seed": s.seed + j})
+                rid = state.new_engine_id(trace.request_id if fan == 1
+                                          else f"{trace.request_id}-{i}")
+                req = GenerationRequest(rid, list(ids), s, principal.tier, priority,
+                                        principal.tenant, None, arrived)
+                replica = group.pick(ids, principal.tenant)
+                replica.inflight += 1
+                replica.routed += 1
+                self.choices.append(Choice(i, p, req, replica))
+        self._queue: asyncio.Queue[tuple[int, EngineEvent]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.choices[0].replica.engine
+
+    async def _pump(self, c: Choice) -> None:
+        try:
+            async for ev in c.replica.engine.submit(c.request):
+                await self._queue.put((c.index, ev))
+                if ev.finished:
+                    return
+            await self._queue.put((c.index, EngineEvent(
+                c.request.request_id, finish_reason="error",
+                error="engine stream ended without a finish event")))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 (an engine failure fails this choice, not the server)
+            await self._queue.put((c.index, EngineEvent(
+                c.request.request_id, finish_reason="error", error=f"{type(e).__name__}: {e}")))
+
+    async def events(self) -> AsyncIterator[tuple[Choice, EngineEvent]]:
+        """Merged events of all choices; ends when every choice has finished."""
+        self._tasks = [asyncio.ensure_future(self._pump(c)) for c in self.choices]
+        pending = len(self.choices)
+        m = self.state.metrics.itl.labels(self.group.id)
+        while pending:
+            i, ev = await self._queue.get()
+            c = self.choices[i]
+            now = time.monotonic()
+            if ev.token_ids:
+                if not c.first_at:
+                    c.first_at = now
+                    self.state.metrics.ttft.labels(self.group.id).observe(now - self.arrived)
+                else:
+                    m.observe(now - c.last_at)
+                c.last_at = now
+                c.token_ids.extend(ev.token_ids)
+            c.text += ev.text
+            if ev.finished:
+                c.finish_reason, c.usage, c.error = ev.finish_reason, ev.usage, ev.error
+                pending -= 1
+            yield c, ev
+
+    def usage(self) -> Usage:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(c.usage.completion_tokens if c.usage else len(c.token_ids)
+                         for c in self.choices)
+        firsts = {}
+        for c in self.choices:
+            if c.usage and c.prompt_index not in firsts:
+                firsts[c.prompt_index] = c.usage.cached_tokens
+        return Usage(prompt, completion, sum(firsts.values()))
+
+    async def close(self) -> None:
+        """Idempotent; safe to call from a cancelled task (the work runs in its own task)."""
+        if self.closed:
+            return
+        self.closed = True
+        await asyncio.shield(self.state.spawn(self._close()))
+
+    async def _close(self) -> None:
+        st = self.state
+        for t in self._tasks:
+            t.cancel()
+        aborts = []
+        for c in self.choices:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+                aborts.append(c.replica.engine.abort(c.request.request_id))
+        if aborts:
+            await asyncio.gather(*aborts, return_exceptions=True)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for c in self.choices:
+            c.replica.inflight -= 1
+            st.engine_ids.discard(c.request.request_id)
+            st.metrics.requests.labels(self.group.id, c.finish_reason or "abort").inc()
+        self.group.admission.release(self.ticket)
+        st.update_admission_gauges()
+        u = self.usage()
+        now = time.monotonic()
+        st.metrics.e2e.labels(self.group.id).observe(now - self.arrived)
+        st.metrics.queue_time.labels(self.group.id).observe(self.ticket.queue_time)
+        st.metrics.prompt_tokens.labels(self.group.id, self.principal.tenant).inc(
+            u.prompt_tokens)
+        st.metrics.generation_tokens.labels(self.group.id, self.principal.tenant).inc(
+            u.completion_tokens)
+        st.limiter.charge(self.principal.tenant, self.principal.tier, u.total_tokens)
+        if st.audit is not None:
+            st.audit.write({
+                "ts": round(time.time(), 3), "request_id": self.trace.request_id,
+                "trace_id": self.trace.trace_id, "tenant": self.principal.tenant,
+                "tier": self.principal.tier.name.lower(), "model": self.group.id,
+                "endpoint": self.endpoint, "status": self.status,
+                "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                "cached_tokens": u.cached_tokens, "latency_s": round(now - self.arrived, 4),
+                "finish_reasons": [c.finish_reason for c in self.choices],
+                "replicas": [c.replica.name for c in self.choices], **self.audit_extra})

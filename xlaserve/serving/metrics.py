@@ -1,0 +1,95 @@
+"""Prometheus metrics, one CollectorRegistry per app (never the global one), close to vLLM's
+core set.  Request-path metrics are observed by the front end as events pass; engine state
+(running, waiting, KV usage, prefix cache, preemptions) is read from `engine.stats()` at scrape
+time by a collector, so it is never stale and costs nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from xlaserve.serving.engine_api import EngineStats
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# One entry per engine replica: (model id, replica name, stats function, admission gauges).
+EngineSource = tuple[str, str, Callable[[], EngineStats]]
+
+
+class _EngineCollector(Collector):
+    def __init__(self, sources: Callable[[], Iterable[EngineSource]]):
+        self._sources = sources
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["model", "replica"]
+        g = {name: GaugeMetricFamily(f"xlaserve_{name}", doc, labels=labels) for name, doc in [
+            ("num_requests_running", "Requests in the engine's running batch"),
+            ("num_requests_waiting", "Requests accepted by the engine, not yet running"),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)"),
+            ("kv_cache_blocks_total", "KV blocks in the pool"),
+            ("kv_cache_blocks_cached", "Free KV blocks still holding a reusable prefix"),
+            ("prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens (cumulative)"),
+        ]}
+        c = {name: CounterMetricFamily(f"xlaserve_{name}", doc, labels=labels) for name, doc in [
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+            ("num_preemptions", "Requests preempted (recomputed later)"),
+        ]}
+        for model, replica, stats_fn in self._sources():
+            try:
+                s = stats_fn()
+            except Exception:  # noqa: BLE001, S112 (a replica that cannot answer is skipped)
+                continue
+            lv = [model, replica]
+            g["num_requests_running"].add_metric(lv, s.num_running)
+            g["num_requests_waiting"].add_metric(lv, s.num_waiting)
+            g["kv_cache_usage_perc"].add_metric(lv, s.kv_usage)
+            g["kv_cache_blocks_total"].add_metric(lv, s.kv_blocks_total)
+            g["kv_cache_blocks_cached"].add_metric(lv, s.kv_blocks_cached)
+            g["prefix_cache_hit_rate"].add_metric(lv, s.prefix_cache_hit_rate)
+            c["prefix_cache_queries"].add_metric(lv, s.prefix_cache_queries)
+            c["prefix_cache_hits"].add_metric(lv, s.prefix_cache_hits)
+            c["num_preemptions"].add_metric(lv, s.num_preemptions)
+        yield from g.values()
+        yield from c.values()
+
+
+class Metrics:
+    def __init__(self, engine_sources: Callable[[], Iterable[EngineSource]] = lambda: ()):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram("xlaserve_time_to_first_token_seconds",
+                              "Time from arrival to the first token", ["model"],
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("xlaserve_inter_token_latency_seconds",
+                             "Time between consecutive output events of a request", ["model"],
+                             buckets=_ITL, registry=r)
+        self.e2e = Histogram("xlaserve_e2e_request_latency_seconds",
+                             "Time from arrival to the last token", ["model"],
+                             buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram("xlaserve_request_queue_time_seconds",
+                                    "Time spent in the admission queue", ["model"],
+                                    buckets=_LATENCY, registry=r)
+        self.requests = Counter("xlaserve_requests", "Finished requests",
+                                ["model", "finish_reason"], registry=r)
+        self.http = Counter("xlaserve_http_responses", "HTTP responses by status",
+                            ["endpoint", "status"], registry=r)
+        self.rejections = Counter("xlaserve_rejections", "Requests refused, by reason",
+                                  ["reason"], registry=r)
+        self.prompt_tokens = Counter("xlaserve_prompt_tokens", "Prompt tokens processed",
+                                     ["model", "tenant"], registry=r)
+        self.generation_tokens = Counter("xlaserve_generation_tokens", "Tokens generated",
+                                         ["model", "tenant"], registry=r)
+        self.admission_running = Gauge("xlaserve_admission_running",
+                                       "Requests admitted to the engines", ["model"], registry=r)
+        self.admission_waiting = Gauge("xlaserve_admission_waiting",
+                                       "Requests in the admission queue", ["model"], registry=r)
+        r.register(_EngineCollector(engine_sources))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

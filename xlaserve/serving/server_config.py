@@ -1,0 +1,274 @@
+"""Server configuration: small frozen dataclasses, validated on construction, loaded from a TOML
+or JSON file (presets in `configs/`).  Defaults live here; a file names only what it changes.
+
+    [server]            host, port, tls_cert, tls_key, max_body_bytes, max_n
+    [auth]              mode = "none" | "hs256" | "rs256", secret / secret_env / public_key_file,
+                        audience, issuer
+    [limits.<tier>]     requests_per_minute, tokens_per_minute, tokens_per_day  (0 = unlimited)
+    [admission]         slo_wait_s.<tier>, initial_service_rate, max_queue_wait_s
+    [router]            block_size, affinity_blocks, overload_slack
+    [auto]              small, large, threshold_tokens   (the model "auto")
+    [audit]             path, include_prompts
+    [[models]]          name, version, default, path, engine, replicas, tiers, max_inflight,
+                        max_queue, engine_args
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from xlaserve.serving.types import Tier
+
+TIER_NAMES = {t.name.lower(): t for t in Tier}
+
+
+def parse_tier(name: str) -> Tier:
+    try:
+        return TIER_NAMES[name.lower()]
+    except (KeyError, AttributeError):
+        raise ValueError(f"tier={name!r}: must be one of {sorted(TIER_NAMES)}") from None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    mode: str = "none"            # none | hs256 | rs256
+    secret: str = ""              # hs256 secret (prefer secret_env)
+    secret_env: str = ""          # name of an environment variable holding the hs256 secret
+    public_key_file: str = ""     # rs256: PEM file with one or more public keys
+    audience: str = ""            # required `aud` when set
+    issuer: str = ""              # required `iss` when set
+    leeway_s: float = 0.0         # clock skew allowed on exp / nbf
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("none", "hs256", "rs256"):
+            raise ValueError(f"auth.mode={self.mode!r}: must be none, hs256 or rs256")
+        if self.mode == "hs256" and not (self.secret or self.secret_env):
+            raise ValueError("auth.mode='hs256' needs auth.secret or auth.secret_env")
+        if self.mode == "rs256" and not self.public_key_file:
+            raise ValueError("auth.mode='rs256' needs auth.public_key_file")
+
+
+@dataclass(frozen=True)
+class TierLimits:
+    requests_per_minute: float = 0.0   # token bucket of this size, refilled per minute; 0 = off
+    tokens_per_minute: float = 0.0     # prompt + completion tokens; 0 = off
+    tokens_per_day: int = 0            # daily quota (UTC day); 0 = off
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 0:
+                raise ValueError(f"limits.{f.name}={getattr(self, f.name)!r}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    # A request is rejected when its expected queue wait exceeds its tier's SLO.
+    slo_wait_s: Mapping[str, float] = field(
+        default_factory=lambda: {"free": 2.0, "paid": 10.0, "internal": 30.0})
+    initial_service_rate: float = 2.0  # requests/s assumed per replica before any is measured
+    max_queue_wait_s: float = 60.0     # hard bound on any wait in the queue
+
+    def __post_init__(self) -> None:
+        for name, v in self.slo_wait_s.items():
+            parse_tier(name)
+            if not v > 0:
+                raise ValueError(f"admission.slo_wait_s.{name}={v!r}: must be > 0")
+        if not self.initial_service_rate > 0:
+            raise ValueError(f"admission.initial_service_rate={self.initial_service_rate!r}: "
+                             "must be > 0")
+        if not self.max_queue_wait_s > 0:
+            raise ValueError(f"admission.max_queue_wait_s={self.max_queue_wait_s!r}: must be > 0")
+
+    def slo(self, tier: Tier) -> float:
+        return float(self.slo_wait_s.get(tier.name.lower(), self.max_queue_wait_s))
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    block_size: int = 16        # tokens per KV block (prefix affinity hashes whole blocks)
+    affinity_blocks: int = 4    # how many leading blocks pick the preferred replica
+    overload_slack: int = 4     # leave the preferred replica when it has this many more
+                                # requests in flight than the least loaded one
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.affinity_blocks < 1 or self.overload_slack < 0:
+            raise ValueError(f"router: block_size={self.block_size}, affinity_blocks="
+                             f"{self.affinity_blocks} must be >= 1, overload_slack="
+                             f"{self.overload_slack} >= 0")
+
+
+@dataclass(frozen=True)
+class AutoRouteConfig:
+    """Model "auto": prompts of at most `threshold_tokens` tokens go to `small`, others to
+    `large`.  The choice is reported in the `x-xlaserve-routed-model` response header."""
+
+    small: str
+    large: str
+    threshold_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.threshold_tokens < 0:
+            raise ValueError(f"auto.threshold_tokens={self.threshold_tokens}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    path: str = ""                # JSONL file; "" = no audit log
+    include_prompts: bool = False
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    version: str = "1"
+    default: bool = True          # requests naming just `name` get this version
+    path: str = ""                # model folder (weights, tokenizer); for grpc replicas the
+                                  # tokenizer is loaded from here too
+    engine: str = ""              # "module:function" building a local engine: fn(ServedModel)
+    replicas: tuple[str, ...] = ("local",)   # "local" or "grpc://host:port", one per replica
+    tiers: tuple[str, ...] = ()   # tiers allowed to use this model; () = all
+    max_inflight: int = 64        # per replica: requests handed to the engine at once
+    max_queue: int = 256          # admission queue bound for the whole model
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name or "@" in self.name or self.name == "auto":
+            raise ValueError(f"models.name={self.name!r}: must be non-empty, without '@', "
+                             "and not 'auto'")
+        if not self.replicas:
+            raise ValueError(f"models[{self.name}].replicas: at least one replica")
+        for r in self.replicas:
+            if r != "local" and not r.startswith("grpc://"):
+                raise ValueError(f"models[{self.name}].replicas: {r!r} is not 'local' or "
+                                 "'grpc://host:port'")
+        for t in self.tiers:
+            parse_tier(t)
+        if self.max_inflight < 1 or self.max_queue < 0:
+            raise ValueError(f"models[{self.name}]: max_inflight={self.max_inflight} must be "
+                             f">= 1 and max_queue={self.max_queue} >= 0")
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def allows(self, tier: Tier) -> bool:
+        return not self.tiers or tier.name.lower() in self.tiers
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tls_cert: str = ""
+    tls_key: str = ""
+    max_body_bytes: int = 1 << 20
+    max_n: int = 8                # most choices (n * prompts) one request may ask for
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: Mapping[str, TierLimits] = field(default_factory=dict)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    auto: AutoRouteConfig | None = None
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    models: tuple[ServedModel, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.auth.mode == "none" and not is_loopback(self.host):
+            raise ValueError(f"server.host={self.host!r} is not a loopback address and auth.mode "
+                             "is 'none': refusing to serve without authentication (set "
+                             "[auth] mode = 'hs256' or 'rs256', or bind 127.0.0.1)")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("server.tls_cert and server.tls_key must be given together")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"server.port={self.port}: must be in 0..65535")
+        if self.max_body_bytes < 1024 or self.max_n < 1:
+            raise ValueError(f"server.max_body_bytes={self.max_body_bytes} must be >= 1024, "
+                             f"max_n={self.max_n} >= 1")
+        for t in self.limits:
+            parse_tier(t)
+        ids = [m.id for m in self.models]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"models: duplicate name@version in {ids}")
+        for name in {m.name for m in self.models}:
+            defaults = [m for m in self.models if m.name == name and m.default]
+            if len(defaults) > 1:
+                raise ValueError(f"models[{name}]: more than one version has default = true")
+        if self.auto is not None:
+            names = {m.name for m in self.models}
+            for side in (self.auto.small, self.auto.large):
+                if side not in names:
+                    raise ValueError(f"auto: model {side!r} is not in models {sorted(names)}")
+
+    def tier_limits(self, tier: Tier) -> TierLimits:
+        return self.limits.get(tier.name.lower(), TierLimits())
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a table, got {type(data).__name__}")  # noqa: TRY004
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(names)}")
+    kw = dict(data)
+    for k in ("replicas", "tiers"):
+        if k in kw:
+            kw[k] = tuple(kw[k])
+    try:
+        return cls(**kw)
+    except TypeError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def config_from_dict(data: Mapping[str, Any]) -> ServerConfig:
+    """Build a ServerConfig from the file layout in the module docstring."""
+    known = {"server", "auth", "limits", "admission", "router", "auto", "audit", "models"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"config: unknown section(s) {unknown}; known: {sorted(known)}")
+    kw: dict[str, Any] = dict(data.get("server", {}))
+    server_names = {f.name for f in fields(ServerConfig)} - known
+    bad = sorted(set(kw) - server_names)
+    if bad:
+        raise ValueError(f"[server]: unknown key(s) {bad}; known: {sorted(server_names)}")
+    if "auth" in data:
+        kw["auth"] = _build(AuthConfig, data["auth"], "[auth]")
+    if "limits" in data:
+        kw["limits"] = {t: _build(TierLimits, v, f"[limits.{t}]")
+                        for t, v in data["limits"].items()}
+    if "admission" in data:
+        kw["admission"] = _build(AdmissionConfig, data["admission"], "[admission]")
+    if "router" in data:
+        kw["router"] = _build(RouterConfig, data["router"], "[router]")
+    if "auto" in data:
+        kw["auto"] = _build(AutoRouteConfig, data["auto"], "[auto]")
+    if "audit" in data:
+        kw["audit"] = _build(AuditConfig, data["audit"], "[audit]")
+    kw["models"] = tuple(_build(ServedModel, m, f"[[models]] #{i}")
+                         for i, m in enumerate(data.get("models", [])))
+    return ServerConfig(**kw)
+
+
+def load_config(path: str | Path) -> ServerConfig:
+    """Read a `.toml` or `.json` server config file."""
+    path = Path(path)
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    try:
+        return config_from_dict(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
