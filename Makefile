@@ -35,7 +35,7 @@ $(MODEL_DIR)/config.json: $(GGUF)
 model: $(MODEL_DIR)/config.json
 
 serve: model
-	$(VENV)/bin/xlaserve generate --model $(MODEL_DIR) --chat "What is the capital of France?" --max-tokens 64
+	$(VENV)/bin/xlaserve serve --config configs/smollm2.toml
 
 test: model
 	XLASERVE_MODEL_DIR=$(MODEL_DIR) XLASERVE_GGUF=$(GGUF) $(PY) tests/run_all.py

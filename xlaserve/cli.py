@@ -41,6 +41,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_or_worker(command: str, argv: list[str]) -> int:
+    if command == "serve":
+        from xlaserve.serving.http.server import serve_main
+
+        return serve_main(argv)
+    from xlaserve.serving.grpc.server import worker_main
+
+    return worker_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xlaserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -66,10 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: from config)")
     g.add_argument("--attention-backend", default="reference")
     g.set_defaults(fn=_generate)
+    # `serve` and `worker` are dispatched before parsing (see main); listed here for --help.
+    sub.add_parser("serve", help="the OpenAI-compatible HTTP server: serve --config FILE")
+    sub.add_parser("worker", help="one engine replica behind gRPC: worker --config FILE")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("serve", "worker"):  # they own their argument parsers
+        return _serve_or_worker(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     from xlaserve.checkpoints.errors import CheckpointError
 

@@ -1,2 +1,2 @@
-class CheckpointError(Exception):
+class CheckpointError(ValueError):
     """A checkpoint or model file that cannot be read or written; the message names the file."""

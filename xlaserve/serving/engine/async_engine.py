@@ -22,7 +22,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from xlaserve.serving.engine.config import EngineConfig
 from xlaserve.serving.engine.engine import LLMEngine
+from xlaserve.serving.engine_api import EngineStats
 from xlaserve.serving.types import EngineEvent, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -48,10 +50,20 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._completed: deque[float] = deque(maxlen=256)   # finish times, for service rate
         self.last_error: str | None = None
+        self._stats = self._snapshot()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def start(self, warmup: bool = True) -> None:
+    async def start(self) -> None:
+        """Called by the serving event loop: start the engine thread (warm-up runs there;
+        `ready` turns True when every bucket is compiled)."""
+        if self._thread is None:
+            self.launch()
+
+    async def stop(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
+
+    def launch(self, warmup: bool = True) -> None:
         """Start the engine thread; compiles every bucket first unless `warmup` is False."""
         def run() -> None:
             if warmup:
@@ -94,6 +106,22 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._post("abort", request_id)
+
+    def stats(self) -> EngineStats:
+        """The snapshot the engine thread took after its latest step (no cross-thread reads
+        of the scheduler)."""
+        return self._stats
+
+    def _snapshot(self) -> EngineStats:
+        s = self.engine.scheduler.stats()
+        kv = s.kv_cache
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            kv_blocks_total=kv.num_total_blocks, kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_cached=kv.num_cached_free_blocks,
+            prefix_cache_queries=s.prefix_cache.queried_tokens,
+            prefix_cache_hits=s.prefix_cache.hit_tokens,
+            num_preemptions=s.num_preemptions, num_finished=s.num_finished)
 
     def service_rate(self) -> float:
         """Completed requests per second over the recent window (0 when unknown)."""
@@ -144,5 +172,19 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self.last_error = f"{type(e).__name__}: {e}"
                 events = self.engine.fail_in_flight(self.last_error)
+            self._stats = self._snapshot()
             for event in events:
                 self._deliver(event)
+
+
+def build(served: Any) -> AsyncEngine:
+    """The server's engine factory (`engine = "xlaserve.serving.engine.async_engine:build"`):
+    load the model folder `served.path` and wrap a continuous-batching engine configured by
+    `served.engine_args` (EngineConfig fields)."""
+    from xlaserve.serving.loading import load_model
+
+    args = dict(served.engine_args)
+    config = EngineConfig(**args)
+    model = load_model(served.path)
+    engine = LLMEngine(model.params, model.config, model.tokenizer, model.mesh, config)
+    return AsyncEngine(engine, model_name=served.name)
