@@ -17,6 +17,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024   # token budget per step
     max_prefill_chunk: int = 512         # most prompt tokens one sequence gets per step
     max_prefill_tokens: int = 512        # rows x chunk of one prefill call (packs short prompts)
+    max_prefill_rows: int = 8            # most prompts packed into one prefill call
     min_prefill_chunk: int = 16
     min_table_width: int = 4
     aging_seconds: float = 30.0
@@ -46,4 +47,5 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs, max_chunk=self.max_prefill_chunk,
             max_prefill_tokens=max(self.max_prefill_tokens, self.max_prefill_chunk),
             max_width=self.max_model_len // self.block_size,
-            min_chunk=self.min_prefill_chunk, min_width=self.min_table_width)
+            min_chunk=self.min_prefill_chunk, min_width=self.min_table_width,
+            block_size=self.block_size, max_prefill_rows=self.max_prefill_rows)

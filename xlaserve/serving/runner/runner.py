@@ -1,12 +1,15 @@
 """The model runner: step plans in, sampled tokens out, over device-resident state.
 
     rows (host: token ids, positions, block tables, sampling params)
-      -> pad to a bucket (rows, tokens, width) -> one AOT-compiled call:
-         tokens[PENDING] <- token_slots[row_slot]      (the token sampled last step, on device)
-         logits, kv  = model.forward(...)              (kv donated: updated in place)
-         out         = sample(logits)                  (per-row seeded sampling)
-         token_slots[row_slot] <- out.tokens           (for the next step's PENDING tokens)
+      -> pad to a bucket (rows, tokens, width) -> two AOT-compiled calls:
+         forward  tokens[PENDING] <- token_slots[row_slot]  (the token sampled last step)
+                  logits, kv = model.forward(...)          (kv donated: updated in place)
+         sample   out = sample(logits)                      (per-row seeded sampling)
+                  token_slots[row_slot] <- out.tokens       (for the next step's PENDING)
       -> device arrays, fetched by the caller when it needs them
+
+The forward is compiled per (rows, tokens, width) bucket, the sampler once per row count: the
+sampler's sort is as costly to compile as the model, and depends on the rows alone.
 
 The runner owns the device KV cache and the token-slot array: both go into every call and come
 back out.  Every bucket is compiled in `warmup()`; a shape outside the plan raises instead of
@@ -72,18 +75,25 @@ class CallResult:
         return {name: np.asarray(v)[: self.rows] for name, v in host._asdict().items()}
 
 
-def _step(params: Params, kv: KVCache, token_slots: jax.Array, tokens: jax.Array,
-          positions: jax.Array, meta: AttentionMetadata, logits_index: jax.Array,
-          row_slot: jax.Array, sample_mask: jax.Array, sampling: SamplingArrays, *,
-          config: ModelConfig, backend: str) -> tuple[KVCache, jax.Array, SampleOutput]:
-    # tokens, positions: [R, T]; logits_index, row_slot, sample_mask: [R]
+def _forward_step(params: Params, kv: KVCache, token_slots: jax.Array, tokens: jax.Array,
+                  positions: jax.Array, meta: AttentionMetadata, logits_index: jax.Array,
+                  row_slot: jax.Array, *, config: ModelConfig,
+                  backend: str) -> tuple[KVCache, jax.Array]:
+    # tokens, positions: [R, T]; logits_index, row_slot: [R] -> logits [R, V]
     pending = token_slots[row_slot][:, None]                            # [R, 1]
     tokens = jnp.where(tokens == PENDING, pending, tokens)
     logits, kv = forward(params, config, tokens, positions, kv, meta,
-                         logits_index=logits_index, attention_backend=backend)  # [R, V]
+                         logits_index=logits_index, attention_backend=backend)
+    return kv, logits
+
+
+def _sample_step(logits: jax.Array, token_slots: jax.Array, row_slot: jax.Array,
+                 sample_mask: jax.Array, sampling: SamplingArrays
+                 ) -> tuple[jax.Array, SampleOutput]:
+    # logits: [R, V]; row_slot, sample_mask: [R]
     out = sample(logits, sampling)
     token_slots = token_slots.at[jnp.where(sample_mask, row_slot, 0)].set(out.tokens)
-    return kv, token_slots, out
+    return token_slots, out
 
 
 class ModelRunner:
@@ -107,8 +117,10 @@ class ModelRunner:
         self.reset_state()
         self._zero_bias: dict[int, jax.Array] = {}
         self._compiled: dict[tuple[int, int, int], Any] = {}
-        self._jitted = jax.jit(_step, static_argnames=("config", "backend"),
-                               donate_argnames=("kv", "token_slots"))
+        self._compiled_sample: dict[int, Any] = {}
+        self._jitted = jax.jit(_forward_step, static_argnames=("config", "backend"),
+                               donate_argnames=("kv",))
+        self._jitted_sample = jax.jit(_sample_step, donate_argnames=("token_slots",))
         self.warmup_seconds = 0.0
 
     def reset_state(self) -> None:
@@ -119,24 +131,30 @@ class ModelRunner:
 
     # -- compilation ---------------------------------------------------------------------------
 
-    def _abstract_args(self, r: int, t: int, w: int) -> tuple[Any, ...]:
-        def spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
-
-        i32, f32 = jnp.int32, jnp.float32
-        meta = AttentionMetadata(spec((r, w), i32), spec((r,), i32), spec((r,), i32),
-                                 spec((r, t), i32))
-        sampling = SamplingArrays(spec((r,), f32), spec((r,), i32), spec((r,), f32),
-                                  spec((r,), f32), spec((r,), jnp.uint32), spec((r,), i32),
-                                  spec((r, self.config.vocab_size), f32))
-        return (self.params, self.kv, self.token_slots, spec((r, t), i32), spec((r, t), i32),
-                meta, spec((r,), i32), spec((r,), i32), spec((r,), jnp.bool_), sampling)
+    def _spec(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
 
     def compile(self, shape: tuple[int, int, int]) -> Any:
+        """The forward pass for bucket (rows, tokens, width), and the sampler for its rows."""
+        r, t, w = shape
+        spec, i32 = self._spec, jnp.int32
         if shape not in self._compiled:
-            lowered = self._jitted.lower(*self._abstract_args(*shape), config=self.config,
-                                         backend=self.backend)
+            meta = AttentionMetadata(spec((r, w), i32), spec((r,), i32), spec((r,), i32),
+                                     spec((r, t), i32))
+            lowered = self._jitted.lower(self.params, self.kv, self.token_slots,
+                                         spec((r, t), i32), spec((r, t), i32), meta,
+                                         spec((r,), i32), spec((r,), i32),
+                                         config=self.config, backend=self.backend)
             self._compiled[shape] = lowered.compile()
+        if r not in self._compiled_sample:
+            f32 = jnp.float32
+            sampling = SamplingArrays(spec((r,), f32), spec((r,), i32), spec((r,), f32),
+                                      spec((r,), f32), spec((r,), jnp.uint32), spec((r,), i32),
+                                      spec((r, self.config.vocab_size), f32))
+            logits = spec((r, self.config.vocab_size), f32)
+            self._compiled_sample[r] = self._jitted_sample.lower(
+                logits, self.token_slots, spec((r,), i32), spec((r,), jnp.bool_),
+                sampling).compile()
         return self._compiled[shape]
 
     def warmup(self, shapes: Sequence[tuple[int, int, int]] | None = None) -> float:
@@ -162,7 +180,7 @@ class ModelRunner:
         else:
             t = self.buckets.chunk(chunk)
             r = self.buckets.rows(t, n)
-        w = self.buckets.width(max(len(row.block_table) for row in rows))
+        w = self.buckets.width(max(len(row.block_table) for row in rows), t)
         if (r, t, w) not in self._compiled:
             raise RuntimeError(f"bucket (rows={r}, tokens={t}, width={w}) was not compiled in "
                                f"warm-up; compiled: {len(self._compiled)} buckets")
@@ -217,10 +235,12 @@ class ModelRunner:
         meta = AttentionMetadata(put(tables), put(q_lens), put(kv_lens), put(slots))
         sampling = SamplingArrays(put(temperature), put(top_k), put(top_p), put(min_p),
                                   put(seed), put(counter), bias_dev)
-        fn = self._compiled[(r, t, w)]
-        self.kv, self.token_slots, out = fn(
+        dev_slot = put(row_slot)
+        self.kv, logits = self._compiled[(r, t, w)](
             self.params, self.kv, self.token_slots, put(tokens), put(positions), meta,
-            put(logits_index), put(row_slot), put(sample_mask), sampling)
+            put(logits_index), dev_slot)
+        self.token_slots, out = self._compiled_sample[r](
+            logits, self.token_slots, dev_slot, put(sample_mask), sampling)
         return CallResult(n, out)
 
     def _put(self, a: np.ndarray) -> jax.Array:
