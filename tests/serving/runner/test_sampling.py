@@ -1,0 +1,72 @@
+"""The device sampler on synthetic logits: each filter keeps exactly the tokens it should."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xlaserve.serving.runner.sampling import SamplingArrays, sample
+
+V = 32
+# probabilities 0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02 then ~0
+PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02] + [1e-9] * (V - 7))
+LOGITS = np.log(PROBS).astype(np.float32)
+
+
+def _arrays(rows: int, **kw) -> SamplingArrays:
+    def col(name: str, default, dtype):
+        return jnp.asarray(np.full(rows, kw.get(name, default), dtype))
+
+    return SamplingArrays(col("temperature", 1.0, np.float32), col("top_k", 0, np.int32),
+                          col("top_p", 1.0, np.float32), col("min_p", 0.0, np.float32),
+                          jnp.arange(rows, dtype=jnp.uint32) + kw.get("seed", 0),
+                          col("counter", 0, np.int32), jnp.zeros((rows, V), jnp.float32))
+
+
+_sample = jax.jit(sample)
+
+
+def _support(**kw) -> set[int]:
+    rows = 512
+    out = _sample(jnp.tile(LOGITS, (rows, 1)), _arrays(rows, **kw))
+    return set(np.asarray(out.tokens).tolist())
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(top_k=1), {0}),
+    (dict(top_k=3), {0, 1, 2}),
+    (dict(top_p=0.5), {0, 1}),            # 0.4 < 0.5, 0.4 + 0.25 reaches it
+    (dict(top_p=0.8), {0, 1, 2, 3}),
+    (dict(min_p=0.3), {0, 1, 2}),         # p >= 0.3 * 0.4 = 0.12
+    (dict(top_k=3, top_p=0.5), {0, 1}),
+    (dict(temperature=0.0), {0}),
+])
+def test_filters_keep_exactly_their_tokens(kw, expected) -> None:
+    assert _support(**kw) == expected
+
+
+def test_full_distribution_is_followed() -> None:
+    rows = 4096
+    out = _sample(jnp.tile(LOGITS, (rows, 1)), _arrays(rows))
+    freq = np.bincount(np.asarray(out.tokens), minlength=V) / rows
+    assert np.abs(freq[:4] - PROBS[:4]).max() < 0.03
+
+
+def test_same_seed_same_token_whatever_the_row() -> None:
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((8, V)), jnp.float32)
+    a = _arrays(8, seed=5)
+    one = _sample(logits[3:4], a._replace(**{f: getattr(a, f)[3:4] for f in a._fields}))
+    many = _sample(logits, a)
+    assert int(one.tokens[0]) == int(many.tokens[3])
+
+
+def test_logprobs_and_bias() -> None:
+    arr = _arrays(1, temperature=0.0)
+    bias = jnp.zeros((1, V)).at[0, 0].set(-100.0)   # a penalty pushes the best token out
+    out = _sample(jnp.asarray(LOGITS)[None], arr._replace(bias=bias))
+    assert int(out.tokens[0]) == 1
+    np.testing.assert_allclose(np.exp(np.asarray(out.top_logprobs[0, :3])), PROBS[:3],
+                               rtol=1e-5)
+    assert abs(float(out.logprob[0]) - np.log(PROBS[1])) < 1e-5  # raw, unbiased logprob
