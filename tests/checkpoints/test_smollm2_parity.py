@@ -24,17 +24,20 @@ def prompt_ids(smollm2) -> list[list[int]]:
     return [smollm2.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
 
 
-def test_teacher_forced_logits_match(smollm2, hf_smollm2, prompt_ids) -> None:
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_teacher_forced_logits_match(smollm2, hf_smollm2, prompt_ids, backend) -> None:
     for ids in prompt_ids:
         with torch.no_grad():
             ref = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
-        ours = full_logits(smollm2.params, smollm2.config, ids)
+        ours = full_logits(smollm2.params, smollm2.config, ids, backend=backend)
         assert ours.shape == ref.shape
         assert max_rel_error(ours, ref) < 1e-4, ids
 
 
-def test_greedy_continuations_match(smollm2, hf_smollm2, prompt_ids) -> None:
-    gen = SequenceGenerator(smollm2.params, smollm2.config, max_len=256)
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_greedy_continuations_match(smollm2, hf_smollm2, prompt_ids, backend) -> None:
+    gen = SequenceGenerator(smollm2.params, smollm2.config, max_len=256,
+                            attention_backend=backend)
     for ids in prompt_ids:
         ours = list(gen.generate(ids, SamplingOptions(max_tokens=64)))
         ref = _hf_greedy(hf_smollm2, ids, 64)

@@ -29,29 +29,32 @@ def _workload(corpus: list[int]) -> list[tuple[list[int], int]]:
     return [(prompt(corpus, rng, int(n)), int(m)) for n, m in zip(lengths, max_tokens)]
 
 
-def test_outputs_equal_requests_run_alone(engine, warm_engine, smollm2, corpus_ids) -> None:
-    work = _workload(corpus_ids)
+def run_staggered(engine, work: list[tuple[list[int], int]]) -> dict[str, list]:
+    """Four new requests every third step while earlier ones run; all events by request."""
     outputs: dict[str, list] = {}
-    with CompileCounter() as compiles:
-        # Staggered: four new requests every third step while earlier ones run.
-        pending = [(f"r{i}", ids, m) for i, (ids, m) in enumerate(work)]
-        step = 0
-        while pending or engine.has_work():
-            if step % 3 == 0:
-                for rid, ids, m in pending[:4]:
-                    engine.add(request(rid, ids, max_tokens=m, ignore_eos=True, logprobs=1))
-                pending = pending[4:]
-            for ev in engine.step():
-                outputs.setdefault(ev.request_id, []).append(ev)
-            step += 1
+    pending = [(f"r{i}", ids, m) for i, (ids, m) in enumerate(work)]
+    step = 0
+    while pending or engine.has_work():
+        if step % 3 == 0:
+            for rid, ids, m in pending[:4]:
+                engine.add(request(rid, ids, max_tokens=m, ignore_eos=True, logprobs=1))
+            pending = pending[4:]
+        for ev in engine.step():
+            outputs.setdefault(ev.request_id, []).append(ev)
+        step += 1
     engine.scheduler.check_integrity()
-    assert compiles.count == 0, f"{compiles.count} compilations after warm-up"
+    return outputs
 
+
+def check_teacher_forced(model, work: list[tuple[list[int], int]],
+                         outputs: dict[str, list]) -> None:
+    """Every output token is the argmax of the logits of its sequence run alone (or a near
+    tie), and its reported logprob matches those logits within 1e-4."""
     for i, (ids, m) in enumerate(work):
         evs = outputs[f"r{i}"]
         out = tokens_of(evs)
         assert len(out) == m and evs[-1].finish_reason == "length"
-        logits = full_logits(smollm2.params, smollm2.config, ids + out[:-1], chunk=256)
+        logits = full_logits(model.params, model.config, ids + out[:-1], chunk=256)
         logits = logits[len(ids) - 1:]                            # [m, V]
         lp = log_softmax(logits)
         got = [e.logprobs[0].logprob for e in evs if e.token_ids]
@@ -62,6 +65,14 @@ def test_outputs_equal_requests_run_alone(engine, warm_engine, smollm2, corpus_i
                 assert gap < NEAR_TIE, f"r{i} token {j}: {token} vs {best}, gap {gap:.2e}"
                 break  # past a near tie the continuations legitimately differ
             assert abs(got[j] - lp[j, token]) < 1e-4, (i, j, got[j], lp[j, token])
+
+
+def test_outputs_equal_requests_run_alone(engine, warm_engine, smollm2, corpus_ids) -> None:
+    work = _workload(corpus_ids)
+    with CompileCounter() as compiles:
+        outputs = run_staggered(engine, work)
+    assert compiles.count == 0, f"{compiles.count} compilations after warm-up"
+    check_teacher_forced(smollm2, work, outputs)
 
     # Three requests truly alone, through a fresh engine on the same runner.
     for i in (0, 7, 21):
