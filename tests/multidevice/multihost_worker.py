@@ -33,7 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     initialize(DistributedConfig(f"127.0.0.1:{args.port}", 2, args.process_id,
                                  heartbeat_timeout_s=10))
-    from tests.multidevice.engine_workload import MULTIHOST_ENGINE as ENGINE, workload
+    from tests.multidevice.engine_workload import MULTIHOST_ENGINE as ENGINE
+    from tests.multidevice.engine_workload import workload
     from tests.multidevice.scenarios import TINY, tiny_params
     from xlaserve.serving.engine.engine import LLMEngine
     from xlaserve.serving.runner.runner import ModelRunner
@@ -51,7 +52,7 @@ def main() -> None:
         if args.die_after is not None:
             execute, calls = runner._execute, [0]
 
-            def dying(host):  # noqa: ANN001
+            def dying(host):
                 if calls[0] == args.die_after:
                     os._exit(3)   # no goodbye: as if the host had crashed
                 calls[0] += 1

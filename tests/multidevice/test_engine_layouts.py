@@ -105,7 +105,7 @@ def test_per_device_bytes_of_each_layout(tiny_folder) -> None:
             [engine] = build_engines(tiny_folder, config_for(mesh), warmup=False)
             device = engine.runner.mesh.devices.flat[0]
 
-            def on_device(tree) -> int:
+            def on_device(tree, device=device) -> int:
                 return sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(tree)
                            for s in leaf.addressable_shards if s.device == device)
 

@@ -58,7 +58,7 @@ class DistributedConfig:
             raise ValueError(f"cpu_collectives={self.cpu_collectives!r}: gloo or mpi")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "DistributedConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> DistributedConfig:
         known = set(cls.__dataclass_fields__)
         unknown = set(d) - known
         if unknown:
@@ -70,7 +70,7 @@ class DistributedConfig:
         return cls(**d)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "DistributedConfig | None":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> DistributedConfig | None:
         """From XLASERVE_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID (or jax's JAX_* names);
         None when no coordinator is set (a single-process server)."""
         env = os.environ if env is None else env

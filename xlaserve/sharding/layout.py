@@ -39,7 +39,7 @@ class ShardLayout:
     rules: Mapping[str, str | None]
 
     @classmethod
-    def create(cls, model: ModelConfig, mesh: MeshConfig | Mesh) -> "ShardLayout":
+    def create(cls, model: ModelConfig, mesh: MeshConfig | Mesh) -> ShardLayout:
         """Validate the model against the mesh (ValueError with the numbers) and derive rules."""
         mesh_config = MeshConfig.of(mesh) if isinstance(mesh, Mesh) else mesh
         mesh_config = MeshConfig(pipeline=mesh_config.pipeline, tensor=mesh_config.tensor)

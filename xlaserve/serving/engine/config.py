@@ -27,14 +27,14 @@ class EngineConfig:
     seed: int = 0                        # seeds requests that bring none
     # Devices: each of `mesh.replicas` engines runs on its own `pipeline x tensor` mesh
     # (serving/engine/replicas.py builds the meshes, parameters and engines).
-    mesh: MeshConfig = MeshConfig()
+    mesh: MeshConfig = MeshConfig()  # noqa: RUF009 - frozen, so one shared default is safe
 
     def __post_init__(self) -> None:
         if self.max_model_len % self.block_size:
             raise ValueError(f"max_model_len={self.max_model_len} must be a multiple of "
                              f"block_size={self.block_size}")
         if not isinstance(self.mesh, MeshConfig):
-            raise ValueError(f"mesh must be a sharding.mesh.MeshConfig, got {self.mesh!r}")
+            raise TypeError(f"mesh must be a sharding.mesh.MeshConfig, got {self.mesh!r}")
         self.scheduler_config  # validates the scheduler's share
         self.bucket_plan
 

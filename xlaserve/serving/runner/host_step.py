@@ -51,7 +51,7 @@ class HostStep(NamedTuple):
         return [a for a in self if a is not None]
 
     @classmethod
-    def from_arrays(cls, arrays: Sequence[np.ndarray]) -> "HostStep":
+    def from_arrays(cls, arrays: Sequence[np.ndarray]) -> HostStep:
         return cls(*arrays, *([None] * (len(cls._fields) - len(arrays))))
 
 
