@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlaserve.models.config import ModelConfig
@@ -38,7 +39,7 @@ class ShardLayout:
     rules: Mapping[str, str | None]
 
     @classmethod
-    def create(cls, model: ModelConfig, mesh: MeshConfig | Mesh) -> "ShardLayout":
+    def create(cls, model: ModelConfig, mesh: MeshConfig | Mesh) -> ShardLayout:
         """Validate the model against the mesh (ValueError with the numbers) and derive rules."""
         mesh_config = MeshConfig.of(mesh) if isinstance(mesh, Mesh) else mesh
         mesh_config = MeshConfig(pipeline=mesh_config.pipeline, tensor=mesh_config.tensor)
@@ -111,7 +112,13 @@ class ShardLayout:
 
         For random test models; real checkpoints restore straight into the shardings
         (checkpoints.store.load_params) without a full host copy."""
-        return jax.device_put(params, self.param_shardings(mesh))
+        def place(x: Any, sharding: NamedSharding) -> jax.Array:
+            if isinstance(x, jax.Array) or sharding.is_fully_addressable:
+                return jax.device_put(x, sharding)   # a no-op where it already lives there
+            host = np.asarray(x)   # a mesh over several processes: each writes its devices
+            return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+        return jax.tree_util.tree_map(place, params, self.param_shardings(mesh))
 
     def shard_kv(self, kv: KVCache, mesh: Mesh) -> KVCache:
         sharding = self.kv_sharding(mesh)

@@ -8,14 +8,17 @@ device; a dimension split over a mesh axis of size n counts 1/n.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import param_shapes
 from xlaserve.sharding.layout import ShardLayout
+from xlaserve.sharding.mesh import MeshConfig
 
 
 @dataclass(frozen=True)
@@ -64,3 +67,31 @@ def device_bytes(layout: ShardLayout, num_blocks: int, block_size: int,
     kv = 2 * math.prod(shard_shape(kv_shape, layout.kv_spec(), sizes)) * kv_item
     kv_total = 2 * math.prod(kv_shape) * kv_item
     return DeviceBytes(params, kv, params_total, kv_total)
+
+
+def layout_report(model: ModelConfig, meshes: Sequence[MeshConfig], num_blocks: int,
+                  block_size: int, kv_dtype: str | None = None) -> list[tuple[str, DeviceBytes]]:
+    """(name, per-device bytes) of `model` on each mesh, e.g. for `xlaserve bench` to print.
+
+    Raises ValueError for a mesh the model cannot be laid out on."""
+    out = []
+    for mesh in meshes:
+        layout = ShardLayout.create(model, mesh)
+        out.append((mesh_name(mesh), device_bytes(layout, num_blocks, block_size, kv_dtype)))
+    return out
+
+
+def mesh_name(mesh: MeshConfig) -> str:
+    parts = [f"tp{mesh.tensor}"] if mesh.tensor > 1 else []
+    parts += [f"pp{mesh.pipeline}"] if mesh.pipeline > 1 else []
+    name = "x".join(parts) or "1 device"
+    return f"{mesh.replicas} x {name}" if mesh.replicas > 1 else name
+
+
+def format_layout_report(rows: Sequence[tuple[str, DeviceBytes]]) -> str:
+    """A fixed-width table: one line per layout, MiB per device."""
+    mib = 1 << 20
+    lines = [f"{'layout':<14}{'params/dev MiB':>16}{'KV/dev MiB':>12}{'total/dev MiB':>15}"]
+    for name, b in rows:
+        lines.append(f"{name:<14}{b.params / mib:>16.2f}{b.kv / mib:>12.2f}{b.total / mib:>15.2f}")
+    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Engine configuration: scheduler limits, KV pool, buckets and attention backend."""
+"""Engine configuration: scheduler limits, KV pool, buckets, attention backend, device mesh."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.scheduler.config import SchedulerConfig
+from xlaserve.sharding.mesh import MeshConfig
 
 
 @dataclass(frozen=True)
@@ -25,11 +26,16 @@ class EngineConfig:
     pipelined: bool = True               # schedule step n+1 while step n runs on device
     attention_backend: str = "reference"
     seed: int = 0                        # seeds requests that bring none
+    # Devices: each of `mesh.replicas` engines runs on its own `pipeline x tensor` mesh
+    # (serving/engine/replicas.py builds the meshes, parameters and engines).
+    mesh: MeshConfig = MeshConfig()  # noqa: RUF009 - frozen, so one shared default is safe
 
     def __post_init__(self) -> None:
         if self.max_model_len % self.block_size:
             raise ValueError(f"max_model_len={self.max_model_len} must be a multiple of "
                              f"block_size={self.block_size}")
+        if not isinstance(self.mesh, MeshConfig):
+            raise TypeError(f"mesh must be a sharding.mesh.MeshConfig, got {self.mesh!r}")
         self.scheduler_config  # validates the scheduler's share
         self.bucket_plan
 

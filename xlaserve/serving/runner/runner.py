@@ -1,23 +1,36 @@
 """The model runner: step plans in, sampled tokens out, over device-resident state.
 
     rows (host: token ids, positions, block tables, sampling params)
-      -> pad to a bucket (rows, tokens, width) -> two AOT-compiled calls:
+      -> pad to a bucket (rows, tokens, width): HostStep, plain numpy arrays
+      -> [multi-host: process 0 broadcasts the HostStep; every process runs the same call]
+      -> two AOT-compiled calls on the mesh (inputs replicated on every device):
          forward  tokens[PENDING] <- token_slots[row_slot]  (the token sampled last step)
-                  logits, kv = model.forward(...)          (kv donated: updated in place)
+                  logits, kv = forward(...)                 (kv donated: updated in place)
+                  one device: models.llama.forward; a bigger mesh: the shard_map forward
+                  (sharding/parallel_forward.py), logits [R, V] split over `tensor`
+                  logits -> replicated [R, V]               (an all-gather of R x V floats)
          sample   out = sample(logits)                      (per-row seeded sampling)
                   token_slots[row_slot] <- out.tokens       (for the next step's PENDING)
       -> device arrays, fetched by the caller when it needs them
 
 The forward is compiled per (rows, tokens, width) bucket, the sampler once per row count: the
-sampler's sort is as costly to compile as the model, and depends on the rows alone.
+sampler's sort costs about as much to compile as the whole scanned model, and depends on the
+rows alone.
 
-The runner owns the device KV cache and the token-slot array: both go into every call and come
+The runner owns the device KV cache (placed by sharding.layout.ShardLayout: layers over
+`pipeline`, KV heads over `tensor`) and the token-slot array: both go into every call and come
 back out.  Every bucket is compiled in `warmup()`; a shape outside the plan raises instead of
 compiling, so serving never compiles.
+
+Sampling gathers the vocab-split logits rather than sampling shard-locally: top-p needs a sort
+over the whole vocabulary and logprobs a global log-sum-exp, and [R, V] float32 is small next to
+a step's weights traffic (32 rows x 49152 x 4 B = 6 MiB at most), while a shard-local sampler
+would need its own distributed top-k / top-p and could disagree with one device on ties.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,10 +42,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import KV_AXES, AttentionMetadata, KVCache, Params, forward
+from xlaserve.models.llama import AttentionMetadata, KVCache, Params, forward
 from xlaserve.serving.runner.buckets import BucketPlan
+from xlaserve.serving.runner.host_step import HostStep
 from xlaserve.serving.runner.sampling import SampleOutput, SamplingArrays, sample
-from xlaserve.sharding.rules import named_sharding
+from xlaserve.serving.runner.step_channel import Op, StepChannel
+from xlaserve.sharding.layout import ShardLayout
+from xlaserve.sharding.parallel_forward import Forward, make_sharded_forward
 
 PENDING = -1  # a token id still on device: the row's previous sampled token
 
@@ -71,19 +87,21 @@ class CallResult:
     out: SampleOutput
 
     def fetch(self) -> dict[str, np.ndarray]:
-        host = jax.device_get(self.out)
+        host = jax.device_get(self.out)   # replicated: every process can read it
         return {name: np.asarray(v)[: self.rows] for name, v in host._asdict().items()}
 
 
 def _forward_step(params: Params, kv: KVCache, token_slots: jax.Array, tokens: jax.Array,
                   positions: jax.Array, meta: AttentionMetadata, logits_index: jax.Array,
-                  row_slot: jax.Array, *, config: ModelConfig,
-                  backend: str) -> tuple[KVCache, jax.Array]:
+                  row_slot: jax.Array, *, forward: Forward, config: ModelConfig, backend: str,
+                  replicated: NamedSharding | None) -> tuple[KVCache, jax.Array]:
     # tokens, positions: [R, T]; logits_index, row_slot: [R] -> logits [R, V]
     pending = token_slots[row_slot][:, None]                            # [R, 1]
     tokens = jnp.where(tokens == PENDING, pending, tokens)
     logits, kv = forward(params, config, tokens, positions, kv, meta,
-                         logits_index=logits_index, attention_backend=backend)
+                         logits_index=logits_index, attention_backend=backend)  # [R, V(/tp)]
+    if replicated is not None:   # gather the vocab shards: the sampler sees whole rows
+        logits = jax.lax.with_sharding_constraint(logits, replicated)   # [R, V]
     return kv, logits
 
 
@@ -97,71 +115,109 @@ def _sample_step(logits: jax.Array, token_slots: jax.Array, row_slot: jax.Array,
 
 
 class ModelRunner:
+    """Owns the device state of one model replica on one mesh and runs its compiled steps.
+
+    The mesh decides everything: one device runs models.llama.forward; a `pipeline x tensor`
+    mesh runs the shard_map forward with parameters and KV placed by ShardLayout.  A mesh that
+    spans several processes (multi-host) is driven by process 0 (`run`); every other process
+    calls `follow()` and launches the same calls with the inputs process 0 broadcasts."""
+
     def __init__(self, params: Params, config: ModelConfig, mesh: Mesh, *, num_blocks: int,
                  block_size: int, max_num_seqs: int, buckets: BucketPlan,
-                 attention_backend: str = "reference", kv_dtype: str | None = None):
-        self.params = params
+                 attention_backend: str = "reference", kv_dtype: str | None = None,
+                 num_microbatches: int | None = None, peer_timeout_s: float = 60.0):
         self.config = config
         self.mesh = mesh
+        self.layout = ShardLayout.create(config, mesh)   # ValueError if the model cannot fit
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.buckets = buckets
         self.backend = attention_backend
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        kv_sharding = named_sharding(mesh, KV_AXES)
+        # Already placed parameters (checkpoints.store.load_params) stay where they are; host or
+        # differently placed ones are moved to the layout's shardings once, here.
+        self.params = self.layout.shard_params(params, mesh)
+        sharded = mesh.devices.size > 1
+        fwd = make_sharded_forward(config, mesh, num_microbatches=num_microbatches) \
+            if sharded else forward
+        kv_sharding = self.layout.kv_sharding(mesh)
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         dtype = jnp.dtype(kv_dtype or config.dtype)
         self._new_kv = jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
-                               out_shardings=KVCache(kv_sharding, kv_sharding))
-        self.reset_state()
+                               out_shardings=KVCache(kv_sharding, kv_sharding))  # compiled once
+        self._jitted = jax.jit(
+            functools.partial(_forward_step, forward=fwd, config=config,
+                              backend=attention_backend,
+                              replicated=self.replicated if sharded else None),
+            donate_argnames=("kv",),
+            out_shardings=(KVCache(kv_sharding, kv_sharding), self.replicated))
+        self._jitted_sample = jax.jit(
+            _sample_step, donate_argnames=("token_slots",),
+            out_shardings=(self.replicated,
+                           SampleOutput(*[self.replicated] * len(SampleOutput._fields))))
+        # Multi-host: process 0 broadcasts every call's inputs (and resets) to the others.
+        self.channel = None if self.replicated.is_fully_addressable else \
+            StepChannel(config.vocab_size, timeout_s=peer_timeout_s)
         self._zero_bias: dict[int, jax.Array] = {}
         self._compiled: dict[tuple[int, int, int], Any] = {}
         self._compiled_sample: dict[int, Any] = {}
-        self._jitted = jax.jit(_forward_step, static_argnames=("config", "backend"),
-                               donate_argnames=("kv",))
-        self._jitted_sample = jax.jit(_sample_step, donate_argnames=("token_slots",))
         self.warmup_seconds = 0.0
+        self._fresh_state()
+
+    @property
+    def is_leader(self) -> bool:
+        """Does this process schedule (always, unless the mesh spans processes)?"""
+        return self.channel is None or self.channel.is_leader
 
     def reset_state(self) -> None:
-        """Fresh device state: an all-zero KV cache and token slots (at start, and after a
-        failed call may have consumed the donated buffers)."""
+        """Fresh device state: an all-zero KV cache and token slots (after a failed call may
+        have consumed the donated buffers).  On a multi-host mesh every process resets."""
+        if self.channel is not None:
+            self._require_leader("reset_state")
+            self.channel.send(Op.RESET)
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
         self.kv = self._new_kv()
         self.token_slots = self._put(np.zeros(self.max_num_seqs + 1, np.int32))
 
     # -- compilation ---------------------------------------------------------------------------
 
-    def _spec(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
+    def _abstract_args(self, r: int, t: int, w: int
+                       ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        def spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
+
+        (tok, pos, tables, q_lens, kv_lens, slots, index, row_slot, mask, *sampling) = [
+            spec(shape, dtype) for shape, dtype in HostStep.specs(r, t, w, self.config.vocab_size)]
+        meta = AttentionMetadata(tables, q_lens, kv_lens, slots)
+        forward_args = (self.params, self.kv, self.token_slots, tok, pos, meta, index, row_slot)
+        logits = spec((r, self.config.vocab_size), jnp.float32)
+        sample_args = (logits, self.token_slots, row_slot, mask, SamplingArrays(*sampling))
+        return forward_args, sample_args
 
     def compile(self, shape: tuple[int, int, int]) -> Any:
         """The forward pass for bucket (rows, tokens, width), and the sampler for its rows."""
-        r, t, w = shape
-        spec, i32 = self._spec, jnp.int32
-        if shape not in self._compiled:
-            meta = AttentionMetadata(spec((r, w), i32), spec((r,), i32), spec((r,), i32),
-                                     spec((r, t), i32))
-            lowered = self._jitted.lower(self.params, self.kv, self.token_slots,
-                                         spec((r, t), i32), spec((r, t), i32), meta,
-                                         spec((r,), i32), spec((r,), i32),
-                                         config=self.config, backend=self.backend)
-            self._compiled[shape] = lowered.compile()
-        if r not in self._compiled_sample:
-            f32 = jnp.float32
-            sampling = SamplingArrays(spec((r,), f32), spec((r,), i32), spec((r,), f32),
-                                      spec((r,), f32), spec((r,), jnp.uint32), spec((r,), i32),
-                                      spec((r, self.config.vocab_size), f32))
-            logits = spec((r, self.config.vocab_size), f32)
-            self._compiled_sample[r] = self._jitted_sample.lower(
-                logits, self.token_slots, spec((r,), i32), spec((r,), jnp.bool_),
-                sampling).compile()
+        r = shape[0]
+        if shape not in self._compiled or r not in self._compiled_sample:
+            forward_args, sample_args = self._abstract_args(*shape)
+            if shape not in self._compiled:
+                self._compiled[shape] = self._jitted.lower(*forward_args).compile()
+            if r not in self._compiled_sample:
+                self._compiled_sample[r] = self._jitted_sample.lower(*sample_args).compile()
         return self._compiled[shape]
 
     def warmup(self, shapes: Sequence[tuple[int, int, int]] | None = None) -> float:
-        """Compile every bucket (or `shapes`); returns the seconds it took."""
+        """Compile every bucket (or `shapes`); returns the seconds it took.  On a multi-host
+        mesh every process calls it (the broadcasts of each bucket's inputs are warmed up too,
+        which are collectives)."""
         start = time.perf_counter()
-        for shape in shapes if shapes is not None else self.buckets.shapes():
+        shapes = list(shapes if shapes is not None else self.buckets.shapes())
+        for shape in shapes:
             self.compile(shape)
+        if self.channel is not None:
+            self.channel.warmup(shapes)
         self.warmup_seconds += time.perf_counter() - start
         return self.warmup_seconds
 
@@ -173,6 +229,43 @@ class ModelRunner:
 
     def run(self, rows: Sequence[RowInput], chunk: int) -> CallResult:
         """One call over `rows`, each feeding at most `chunk` tokens (1 for decode)."""
+        host = self.host_step(rows, chunk)
+        if self.channel is not None:
+            self._require_leader("run")
+            self.channel.send(Op.STEP, host)
+        return CallResult(len(rows), self._execute(host))
+
+    def follow(self) -> int:
+        """On a process other than 0 of a multi-host mesh: launch every call process 0 sends,
+        until it calls `close()`.  Returns the number of calls run.  Raises PeerTimeout or the
+        collective's error when process 0 stops answering."""
+        if self.channel is None or self.channel.is_leader:
+            raise RuntimeError("follow() is for processes other than 0 of a multi-host mesh")
+        calls = 0
+        while True:
+            op, host = self.channel.receive()
+            if op is Op.STOP:
+                jax.block_until_ready(self.kv)
+                return calls
+            if op is Op.RESET:
+                self._fresh_state()
+                continue
+            assert host is not None
+            self._execute(host)
+            calls += 1
+
+    def close(self) -> None:
+        """Process 0 of a multi-host mesh: release the followers from `follow()`."""
+        if self.channel is not None and self.channel.is_leader:
+            self.channel.send(Op.STOP)
+
+    def _require_leader(self, what: str) -> None:
+        if not self.is_leader:
+            raise RuntimeError(f"{what}: only process 0 drives a multi-host mesh; process "
+                               f"{jax.process_index()} must call follow()")
+
+    def host_step(self, rows: Sequence[RowInput], chunk: int) -> HostStep:
+        """Pad `rows` to their bucket: the host arrays of one call."""
         n = len(rows)
         if chunk == 1:
             r = self.buckets.decode_rows(n)
@@ -200,7 +293,7 @@ class ModelRunner:
         min_p = np.zeros(r, np.float32)
         seed = np.zeros(r, np.uint32)
         counter = np.zeros(r, np.int32)
-        bias_rows: list[tuple[int, np.ndarray]] = []
+        bias: np.ndarray | None = None
         for i, row in enumerate(rows):
             k = len(row.token_ids)
             if not 0 < k <= t:
@@ -223,28 +316,35 @@ class ModelRunner:
             temperature[i], top_k[i], top_p[i], min_p[i] = s.temperature, s.top_k, s.top_p, s.min_p
             seed[i], counter[i] = s.seed & 0xFFFFFFFF, s.counter
             if s.bias is not None:
-                bias_rows.append((i, s.bias))
-        if bias_rows:
-            bias = np.zeros((r, self.config.vocab_size), np.float32)
-            for i, b in bias_rows:
-                bias[i] = b
-            bias_dev = self._put(bias)
-        else:
-            bias_dev = self._zeros_bias(r)
+                if bias is None:
+                    bias = np.zeros((r, self.config.vocab_size), np.float32)
+                bias[i] = s.bias
+        return HostStep(tokens, positions, tables, q_lens, kv_lens, slots, logits_index,
+                        row_slot, sample_mask, temperature, top_k, top_p, min_p, seed, counter,
+                        bias)
+
+    def _execute(self, host: HostStep) -> SampleOutput:
+        """Launch the compiled call for `host` (asynchronously); the runner's state advances."""
+        fn = self._compiled[host.shape]
         put = self._put
-        meta = AttentionMetadata(put(tables), put(q_lens), put(kv_lens), put(slots))
-        sampling = SamplingArrays(put(temperature), put(top_k), put(top_p), put(min_p),
-                                  put(seed), put(counter), bias_dev)
-        dev_slot = put(row_slot)
-        self.kv, logits = self._compiled[(r, t, w)](
-            self.params, self.kv, self.token_slots, put(tokens), put(positions), meta,
-            put(logits_index), dev_slot)
-        self.token_slots, out = self._compiled_sample[r](
-            logits, self.token_slots, dev_slot, put(sample_mask), sampling)
-        return CallResult(n, out)
+        bias = put(host.bias) if host.bias is not None else self._zeros_bias(host.shape[0])
+        meta = AttentionMetadata(put(host.block_tables), put(host.q_lens), put(host.kv_lens),
+                                 put(host.slot_mapping))
+        sampling = SamplingArrays(put(host.temperature), put(host.top_k), put(host.top_p),
+                                  put(host.min_p), put(host.seed), put(host.counter), bias)
+        row_slot = put(host.row_slot)
+        self.kv, logits = fn(self.params, self.kv, self.token_slots, put(host.tokens),
+                             put(host.positions), meta, put(host.logits_index), row_slot)
+        self.token_slots, out = self._compiled_sample[host.shape[0]](
+            logits, self.token_slots, row_slot, put(host.sample_mask), sampling)
+        return out
 
     def _put(self, a: np.ndarray) -> jax.Array:
-        return jax.device_put(a, self.replicated)
+        """A host array replicated on every device of the mesh (only this process's devices
+        are written: on a multi-host mesh every process holds the same `a`)."""
+        if self.replicated.is_fully_addressable:
+            return jax.device_put(a, self.replicated)
+        return jax.make_array_from_callback(a.shape, self.replicated, lambda index: a[index])
 
     def _zeros_bias(self, r: int) -> jax.Array:
         if r not in self._zero_bias:

@@ -1,0 +1,63 @@
+"""From one model folder to R engines, each on its own mesh, as EngineConfig.mesh says.
+
+    EngineConfig(mesh=MeshConfig(pipeline=P, tensor=T, replicas=R))
+      -> make_replica_meshes      R disjoint P x T meshes (devices [r*P*T, (r+1)*P*T))
+      -> load_replicas            per mesh: parameters restored straight into its shardings
+                                  (checkpoints.store.load_params: each device reads its slice)
+      -> build_engines            per replica: ModelRunner (KV placed by the layout, warmed up)
+                                  + LLMEngine; the router spreads requests over them
+
+Replicas share nothing on device; they share the host-side ModelConfig and tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+
+from xlaserve.checkpoints.store import load_config, load_params
+from xlaserve.serving.engine.config import EngineConfig
+from xlaserve.serving.engine.engine import LLMEngine
+from xlaserve.serving.loading import LoadedModel
+from xlaserve.serving.runner.runner import ModelRunner
+from xlaserve.serving.tokenizer import Tokenizer
+from xlaserve.sharding.mesh import make_replica_meshes
+
+
+def load_replicas(folder: str | Path, engine_config: EngineConfig, *, dtype: str | None = None,
+                  devices: Sequence[jax.Device] | None = None) -> list[LoadedModel]:
+    """One LoadedModel per replica of `engine_config.mesh`, parameters placed on its mesh.
+
+    Raises ValueError (with the numbers) when the devices do not suffice or the model cannot be
+    laid out on the mesh, before reading any parameter."""
+    config = load_config(folder, dtype)
+    tokenizer = Tokenizer.load(folder)
+    meshes = make_replica_meshes(engine_config.mesh, devices)
+    return [LoadedModel(config, load_params(folder, config, mesh), tokenizer, mesh)
+            for mesh in meshes]
+
+
+def make_runner(model: LoadedModel, engine_config: EngineConfig) -> ModelRunner:
+    return ModelRunner(model.params, model.config, model.mesh,
+                       num_blocks=engine_config.num_kv_blocks,
+                       block_size=engine_config.block_size,
+                       max_num_seqs=engine_config.max_num_seqs,
+                       buckets=engine_config.bucket_plan,
+                       attention_backend=engine_config.attention_backend)
+
+
+def build_engines(folder: str | Path, engine_config: EngineConfig, *, dtype: str | None = None,
+                  devices: Sequence[jax.Device] | None = None,
+                  warmup: bool = True) -> list[LLMEngine]:
+    """`engine_config.mesh.replicas` engines serving the model in `folder`, each on its own
+    mesh, every bucket compiled (unless `warmup=False`)."""
+    engines = []
+    for model in load_replicas(folder, engine_config, dtype=dtype, devices=devices):
+        runner = make_runner(model, engine_config)
+        if warmup:
+            runner.warmup()
+        engines.append(LLMEngine(model.params, model.config, model.tokenizer, model.mesh,
+                                 engine_config, runner=runner))
+    return engines

@@ -1,0 +1,57 @@
+"""One call's padded host inputs: what the runner builds from rows and sends to the device.
+
+Plain numpy arrays, so that on a multi-host mesh process 0 can hand the very same inputs to the
+other processes (step_channel.py) and every process launches an identical call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+class HostStep(NamedTuple):
+    """One call's padded host inputs, R rows x T tokens, block tables W wide.  Plain numpy, so
+    process 0 can hand it to the other processes of a multi-host mesh as it is."""
+
+    tokens: np.ndarray        # [R, T] int32, PENDING = take from the row's token slot
+    positions: np.ndarray     # [R, T] int32
+    block_tables: np.ndarray  # [R, W] int32
+    q_lens: np.ndarray        # [R] int32
+    kv_lens: np.ndarray       # [R] int32
+    slot_mapping: np.ndarray  # [R, T] int32, padding writes the null block
+    logits_index: np.ndarray  # [R] int32
+    row_slot: np.ndarray      # [R] int32
+    sample_mask: np.ndarray   # [R] bool
+    temperature: np.ndarray   # [R] float32
+    top_k: np.ndarray         # [R] int32
+    top_p: np.ndarray         # [R] float32
+    min_p: np.ndarray         # [R] float32
+    seed: np.ndarray          # [R] uint32
+    counter: np.ndarray       # [R] int32
+    bias: np.ndarray | None   # [R, V] float32, None = zeros (kept on device per bucket)
+
+    @staticmethod
+    def specs(r: int, t: int, w: int, vocab: int | None) -> list[tuple[tuple[int, ...], Any]]:
+        """(shape, dtype) of every field in order; `vocab` None = no bias array."""
+        i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+        out = [((r, t), i32), ((r, t), i32), ((r, w), i32), ((r,), i32), ((r,), i32),
+               ((r, t), i32), ((r,), i32), ((r,), i32), ((r,), np.dtype(np.bool_)),
+               ((r,), f32), ((r,), i32), ((r,), f32), ((r,), f32), ((r,), np.dtype(np.uint32)),
+               ((r,), i32)]
+        return out + ([((r, vocab), f32)] if vocab is not None else [])
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        r, t = self.tokens.shape
+        return r, t, self.block_tables.shape[1]
+
+    def arrays(self) -> list[np.ndarray]:
+        return [a for a in self if a is not None]
+
+    @classmethod
+    def from_arrays(cls, arrays: Sequence[np.ndarray]) -> HostStep:
+        return cls(*arrays, *([None] * (len(cls._fields) - len(arrays))))
+
+
