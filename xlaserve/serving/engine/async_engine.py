@@ -177,14 +177,22 @@ class AsyncEngine:
                 self._deliver(event)
 
 
-def build(served: Any) -> AsyncEngine:
+def build(served: Any) -> list[AsyncEngine]:
     """The server's engine factory (`engine = "xlaserve.serving.engine.async_engine:build"`):
-    load the model folder `served.path` and wrap a continuous-batching engine configured by
-    `served.engine_args` (EngineConfig fields)."""
-    from xlaserve.serving.loading import load_model
+    load the model folder `served.path` and wrap continuous-batching engines configured by
+    `served.engine_args` (EngineConfig fields; `mesh` is a table {pipeline, tensor, replicas}
+    or the path of a preset such as configs/tp2.toml).  One engine per mesh replica; each
+    compiles its buckets on its own thread once started."""
+    from xlaserve.serving.engine.replicas import build_engines
+    from xlaserve.sharding.mesh import MeshConfig
 
     args = dict(served.engine_args)
-    config = EngineConfig(**args)
-    model = load_model(served.path)
-    engine = LLMEngine(model.params, model.config, model.tokenizer, model.mesh, config)
-    return AsyncEngine(engine, model_name=served.name)
+    mesh = args.pop("mesh", None)
+    if isinstance(mesh, str):
+        mesh = MeshConfig.load(mesh)
+    elif isinstance(mesh, dict):
+        mesh = MeshConfig.from_dict(mesh)
+    if mesh is not None:
+        args["mesh"] = mesh
+    engines = build_engines(served.path, EngineConfig(**args), warmup=False)
+    return [AsyncEngine(e, model_name=served.name) for e in engines]

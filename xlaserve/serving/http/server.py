@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import inspect
 import signal
@@ -69,7 +70,9 @@ async def build_engines(config: ServerConfig) -> dict[str, list[AsyncEngine]]:
                     raise ValueError(f"models[{m.id}]: a 'local' replica needs engine = "
                                      "'module:function'")
                 e = _import(m.engine)(m)
-                reps.append(await e if inspect.isawaitable(e) else e)
+                e = await e if inspect.isawaitable(e) else e
+                # a factory may return several replicas (one per mesh of engine_args.mesh)
+                reps.extend(e if isinstance(e, (list, tuple)) else [e])
             else:
                 # started (channel opened) by the app in its serving loop
                 reps.append(RemoteEngine(r.removeprefix("grpc://"), m.name,
@@ -108,12 +111,16 @@ def serve_main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="server config (.toml or .json)")
     p.add_argument("--host", help="override server.host")
     p.add_argument("--port", type=int, help="override server.port")
+    p.add_argument("--mesh", help="device layout preset for every local model "
+                                  "(e.g. configs/tp2.toml): sets engine_args.mesh")
     args = p.parse_args(argv)
     try:
         config = load_config(args.config)
+        if args.mesh:
+            config = dataclasses.replace(config, models=tuple(
+                dataclasses.replace(m, engine_args={**m.engine_args, "mesh": args.mesh})
+                for m in config.models))
         if args.host or args.port is not None:
-            import dataclasses
-
             config = dataclasses.replace(config, host=args.host or config.host,
                                          port=config.port if args.port is None else args.port)
         asyncio.run(serve_async(config))
