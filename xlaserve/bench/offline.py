@@ -123,11 +123,11 @@ def _pad_id(model: LoadedModel) -> int:
 
 def describe(report: dict[str, Any]) -> str:
     w = report["workload"]
-    lines = [f"workload {w['name']} (seed {w['seed']}): {w['num_requests']} requests, prompts "
+    title = (f"workload {w['name']} (seed {w['seed']}): {w['num_requests']} requests, prompts "
              f"{w['prompt_min']}-{w['prompt_max']} tokens ({w['prompt_tokens']} in all), "
              f"outputs {w['output_min']}-{w['output_max']} ({w['output_tokens']} in all); "
-             f"model {report['model']['layers']} layers, {report['model']['dtype']}",
-             "", format_table(report["systems"]), ""]
+             f"model {report['model']['layers']} layers, {report['model']['dtype']}")
+    lines = [title, "", format_table(report["systems"]), ""]
     for pair, n in report["agreement"].items():
         lines.append(f"greedy tokens {pair}: {n}/{w['num_requests']} requests identical")
     if report["decode_batch1"]:

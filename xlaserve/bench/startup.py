@@ -81,7 +81,7 @@ def run_startup(model_dir: str | Path, variant_layers: int = 2, chunk: int = 128
         raise ValueError(f"--chunk {chunk} does not fit a table of {width} blocks of 16")
     model_dir = Path(model_dir)
     config = load_config(model_dir)
-    previous = jax.config.jax_enable_compilation_cache
+    previous = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         rows = [measure(f"{model_dir.name}", model_dir, config, chunk, width)]

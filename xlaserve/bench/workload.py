@@ -88,7 +88,7 @@ class WorkloadSpec:
             raise ValueError(f"workload {self.name}: output lengths [{self.output_min}, "
                              f"{self.output_max}] are not a range of positive ints")
 
-    def build(self, tokenizer: "Tokenizer", seed: int = 0,
+    def build(self, tokenizer: Tokenizer, seed: int = 0,
               num_requests: int | None = None) -> Workload:
         n = self.num_requests if num_requests is None else num_requests
         if n < 1:
@@ -115,7 +115,7 @@ class WorkloadSpec:
     def max_model_len(self) -> int:
         return _round_up(self.prompt_max + self.output_max, self.block_size)
 
-    def engine_config(self, batch: int = 1) -> "EngineConfig":
+    def engine_config(self, batch: int = 1) -> EngineConfig:
         """An engine sized for this workload whose runner also serves static batches of
         `batch` rows: every running sequence fits its longest length in the pool."""
         from xlaserve.serving.engine.config import EngineConfig
