@@ -1,4 +1,4 @@
-"""The `xlaserve` command: convert, generate (and later serve, worker, bench)."""
+"""The `xlaserve` command: convert, generate, serve, worker, bench."""
 
 from __future__ import annotations
 
@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     # `serve` and `worker` are dispatched before parsing (see main); listed here for --help.
     sub.add_parser("serve", help="the OpenAI-compatible HTTP server: serve --config FILE")
     sub.add_parser("worker", help="one engine replica behind gRPC: worker --config FILE")
+    from xlaserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 

@@ -1,0 +1,149 @@
+"""`xlaserve bench offline`: one workload through several systems in one process, one table.
+
+    model folder --load--> LoadedModel ──> ModelRunner (buckets of the workload's EngineConfig)
+    workload spec --build(tokenizer, seed)--> requests
+    warm-up: every bucket compiled (untimed)
+    engine  : LLMEngine on the runner                          engine_system.py
+    static  : static batches of B on the same runner           static_system.py
+    hf      : transformers generate, batches of B, torch CPU   hf_system.py
+    then    : decode step at batch 1 vs bandwidth floor        roofline.py
+              per-device parameter and KV bytes of the engine's layout
+    -> table on stdout, everything (per-request tokens included) as JSON
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from xlaserve.bench.engine_system import run_engine, warm_engine
+from xlaserve.bench.metrics import SystemResult
+from xlaserve.bench.report import format_table
+from xlaserve.bench.roofline import measure_roofline
+from xlaserve.bench.static_system import StaticBatcher
+from xlaserve.bench.workload import get_workload
+from xlaserve.serving.engine import EngineConfig
+from xlaserve.serving.loading import LoadedModel, load_model
+from xlaserve.serving.runner.runner import ModelRunner
+from xlaserve.sharding.layout import ShardLayout
+from xlaserve.sharding.memory import device_bytes
+
+SYSTEMS = ("engine", "static", "hf")
+
+
+@dataclass(frozen=True)
+class OfflineOptions:
+    workload: str = "mixed"
+    systems: tuple[str, ...] = SYSTEMS
+    batch: int = 8
+    seed: int = 0
+    num_requests: int | None = None
+    gguf: str | None = None          # for hf
+    hf_dir: str | None = None        # for hf, instead of gguf
+    decode_steps: int = 20
+    copy_bytes: int = 512 << 20      # bandwidth probe array size
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown or not self.systems:
+            raise ValueError(f"--systems {','.join(self.systems)}: choose from "
+                             f"{','.join(SYSTEMS)}")
+        if "hf" in self.systems and (self.gguf is None) == (self.hf_dir is None):
+            raise ValueError("--systems hf needs exactly one of --gguf FILE or --hf-dir DIR")
+        if self.batch < 1:
+            raise ValueError(f"--batch {self.batch} must be >= 1")
+        get_workload(self.workload)
+
+
+def _agreement(results: list[SystemResult]) -> dict[str, int]:
+    """Requests whose tokens equal the first system's, per other system."""
+    if len(results) < 2:
+        return {}
+    ref = results[0]
+    return {f"{r.system} == {ref.system}": sum(
+        r.outcomes[rid].token_ids == o.token_ids for rid, o in ref.outcomes.items())
+        for r in results[1:]}
+
+
+def run_offline(model: LoadedModel, options: OfflineOptions,
+                engine_config: EngineConfig | None = None) -> dict[str, Any]:
+    spec = get_workload(options.workload)
+    workload = spec.build(model.tokenizer, options.seed, options.num_requests)
+    config = engine_config or spec.engine_config(options.batch)
+    runner = ModelRunner(model.params, model.config, model.mesh,
+                         num_blocks=config.num_kv_blocks, block_size=config.block_size,
+                         max_num_seqs=config.max_num_seqs, buckets=config.bucket_plan,
+                         attention_backend=config.attention_backend)
+    results: list[SystemResult] = []
+    warmup_s = 0.0
+    if "engine" in options.systems or "static" in options.systems:
+        warmup_s = warm_engine(model, config, runner, workload)
+    if "engine" in options.systems:
+        results.append(run_engine(model, config, runner, workload, warmup_s))
+    if "static" in options.systems:
+        results.append(StaticBatcher(runner, options.batch).run(workload, warmup_s))
+    if "hf" in options.systems:
+        from xlaserve.bench.hf_system import load_hf_model, run_hf
+
+        hf = load_hf_model(options.gguf, options.hf_dir)
+        results.append(run_hf(hf, workload, options.batch, pad_id=_pad_id(model)))
+    for r in results:
+        r.check(workload)
+    roofline = None
+    if "engine" in options.systems or "static" in options.systems:
+        roofline = measure_roofline(runner, workload.requests[0].prompt_token_ids,
+                                    options.decode_steps, options.copy_bytes)
+    memory = device_bytes(ShardLayout.create(model.config, model.mesh), config.num_kv_blocks,
+                          config.block_size)
+    return {
+        "workload": workload.describe(),
+        "model": {"layers": model.config.num_layers, "hidden": model.config.hidden_size,
+                  "params": model.config.num_params, "dtype": model.config.dtype},
+        "engine_config": asdict(config),
+        "batch": options.batch,
+        "machine": {"platform": platform.platform(), "jax": jax.__version__,
+                    "devices": [str(d) for d in jax.devices()]},
+        "systems": [r.summary() for r in results],
+        "agreement": _agreement(results),
+        "decode_batch1": roofline.to_dict() if roofline else None,
+        "memory": {**asdict(memory), "describe": memory.describe()},
+        "requests": {r.system: r.per_request() for r in results},
+    }
+
+
+def _pad_id(model: LoadedModel) -> int:
+    eos = model.config.eos_token_ids
+    return int(eos[0]) if eos else 0
+
+
+def describe(report: dict[str, Any]) -> str:
+    w = report["workload"]
+    title = (f"workload {w['name']} (seed {w['seed']}): {w['num_requests']} requests, prompts "
+             f"{w['prompt_min']}-{w['prompt_max']} tokens ({w['prompt_tokens']} in all), "
+             f"outputs {w['output_min']}-{w['output_max']} ({w['output_tokens']} in all); "
+             f"model {report['model']['layers']} layers, {report['model']['dtype']}")
+    lines = [title, "", format_table(report["systems"]), ""]
+    for pair, n in report["agreement"].items():
+        lines.append(f"greedy tokens {pair}: {n}/{w['num_requests']} requests identical")
+    if report["decode_batch1"]:
+        from xlaserve.bench.roofline import Roofline
+
+        d = {k: v for k, v in report["decode_batch1"].items() if k != "ratio"}
+        lines.append(Roofline(**d).describe())
+    lines.append(f"engine layout {report['memory']['describe']}")
+    return "\n".join(lines)
+
+
+def offline_main(model_dir: str, options: OfflineOptions, json_out: str | None) -> int:
+    model = load_model(model_dir)
+    report = run_offline(model, options)
+    print(describe(report), flush=True)
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {json_out}")
+    return 0

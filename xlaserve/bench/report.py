@@ -1,0 +1,34 @@
+"""The benchmark's one table, from the systems' summary dicts (metrics.SystemResult.summary)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+COLUMNS = (
+    ("system", "system", "{}"),
+    ("requests", "req", "{}"),
+    ("output_tokens", "out tok", "{}"),
+    ("wall_s", "wall s", "{:.2f}"),
+    ("output_tokens_per_s", "out tok/s", "{:.1f}"),
+    ("requests_per_s", "req/s", "{:.2f}"),
+    ("latency_mean_s", "lat mean s", "{:.2f}"),
+    ("latency_p99_s", "lat p99 s", "{:.2f}"),
+    ("kv_waste", "KV waste", "{:.1%}"),
+    ("kv_peak_slots", "KV peak slots", "{}"),
+    ("compiles_after_warmup", "compiles", "{}"),
+)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table, one row per system; missing values print as '-'."""
+    head = [title for _, title, _ in COLUMNS]
+    body = [[("-" if row.get(key) is None else fmt.format(row[key]))
+             for key, _, fmt in COLUMNS] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h)
+              for i, h in enumerate(head)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(head), rule, *(line(r) for r in body)])
