@@ -158,7 +158,11 @@ def decoder_layer(
     attn = attend(q, k_flat.reshape(cache_shape), v_flat.reshape(cache_shape), i,
                   meta.block_tables, meta.q_lens, meta.kv_lens, scale=d ** -0.5,
                   backend=attention_backend)                           # [B, T, H, D]
-    x = x + reduce(jnp.einsum("bthd,hde->bte", attn, layer["wo"]))
+    # wo as a [H*D, E] matrix: contracting one merged axis keeps XLA from transposing the
+    # weight (a copy of it every step) to match the activation's head order.
+    b, t, h, d = attn.shape
+    wo = layer["wo"].reshape(h * d, -1)
+    x = x + reduce(jnp.einsum("btj,je->bte", attn.reshape(b, t, h * d), wo))
     h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
     gate = jnp.einsum("bte,ef->btf", h, layer["w_gate"])
     up = jnp.einsum("bte,ef->btf", h, layer["w_up"])
@@ -199,9 +203,16 @@ def forward(
     if logits_index is not None:
         x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, E]
     x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
-    head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("...e,ev->...v", x, head, preferred_element_type=jnp.float32)
+    logits = output_logits(params, c, x)
     return logits, new_kv
+
+
+def output_logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
+    """x: [..., E] (final-normed) -> logits [..., V] float32 (V / tp on a vocab shard)."""
+    if config.tie_word_embeddings:  # contract [V, E] as stored: `embed.T` would copy it
+        return jnp.einsum("...e,ve->...v", x, params["embed"],
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,

@@ -42,7 +42,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from xlaserve.kernels.attention import paged_attention
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import (AttentionMetadata, KVCache, Params, decoder_layer, rms_norm)
+from xlaserve.models.llama import (AttentionMetadata, KVCache, Params, decoder_layer,
+                                   output_logits, rms_norm)
 from xlaserve.models.rope import inverse_frequencies
 from xlaserve.sharding.layout import ShardLayout
 
@@ -162,8 +163,7 @@ def _device_step(layout: ShardLayout, m: int, all_tokens: bool, attention_backen
             run_stage, pick, m, pp, x, positions, meta, logits_index, k_flat, v_flat)
 
     hidden = rms_norm(hidden, params["final_norm"], c.rms_norm_eps)    # [B, (T,) E]
-    head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]  # [E, V/tp]
-    logits = jnp.einsum("...e,ev->...v", hidden, head, preferred_element_type=jnp.float32)
+    logits = output_logits(params, c, hidden)                          # [B, (T,) V/tp]
     assert logits.shape[0] == b
     return logits, k_flat.reshape(cache_shape), v_flat.reshape(cache_shape)
 
