@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("serve", "worker", "generate", "bench"):
+        from xlaserve.compile_cache import enable_compilation_cache
+
+        enable_compilation_cache()
     if argv and argv[0] in ("serve", "worker"):  # they own their argument parsers
         return _serve_or_worker(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
