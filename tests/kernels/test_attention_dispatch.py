@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from kernel_cases import make_case, rel_error
+from tests.kernels.kernel_cases import make_case, rel_error
 
 from xlaserve.kernels.attention import paged_attention, resolve_backend
 from xlaserve.kernels.paged_attention import paged_attention as pallas_decode

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import make_case, rel_error, tolerance
+from tests.kernels.kernel_cases import make_case, rel_error, tolerance
 
 from xlaserve.kernels.paged_attention import paged_attention, paged_attention_reference
 

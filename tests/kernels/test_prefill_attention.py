@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import make_case, rel_error, tolerance
+from tests.kernels.kernel_cases import make_case, rel_error, tolerance
 
 from xlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_reference
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from tests.conftest import MODEL_DIR
+
 import asyncio
 import os
 import socket
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fake_engine import FakeEngine
+from tests.serving.front.fake_engine import FakeEngine
 from hypercorn.asyncio import serve
 
 from xlaserve.serving.http.app import create_app
@@ -26,9 +28,9 @@ from xlaserve.serving.tokenizer import Tokenizer
 
 @pytest.fixture(scope="session")
 def tokenizer() -> Tokenizer:
-    folder = Path(os.environ.get("XLASERVE_MODEL_DIR", "/tmp/smolconv"))
+    folder = Path(str(MODEL_DIR))
     if not (folder / "tokenizer.json").exists():
-        pytest.skip(f"no converted model folder at {folder} (set XLASERVE_MODEL_DIR)")
+        pytest.fail(f"no converted model folder at {folder}: run `make model` (make test does)")
     return Tokenizer.load(folder)
 
 

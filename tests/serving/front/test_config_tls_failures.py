@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fake_engine import FakeEngine
+from tests.serving.front.fake_engine import FakeEngine
 
 from xlaserve.serving.server_config import ServedModel, ServerConfig, config_from_dict, load_config
 from xlaserve.serving.types import Tier

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from conftest import wait_for
+from tests.serving.front.conftest import wait_for
 
 from xlaserve.serving.server_config import ServedModel, ServerConfig
 
@@ -50,7 +50,7 @@ def test_disconnect_during_prefill_nonstream(make_server):
 
 
 def test_disconnect_while_queued(make_server, tokenizer):
-    from fake_engine import FakeEngine
+    from tests.serving.front.fake_engine import FakeEngine
 
     cfg = ServerConfig(models=(ServedModel("fake", max_inflight=1, max_queue=4),))
     eng = FakeEngine(tokenizer, "fake", token_delay=0.1)

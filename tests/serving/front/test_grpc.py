@@ -11,8 +11,8 @@ import grpc
 import httpx
 import openai
 import pytest
-from conftest import wait_for
-from fake_engine import FakeEngine, expected_ids
+from tests.serving.front.conftest import wait_for
+from tests.serving.front.fake_engine import FakeEngine, expected_ids
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from xlaserve.serving.grpc import xlaserve_pb2 as pb

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import openai
-from fake_engine import expected_ids, expected_output
+from tests.serving.front.fake_engine import expected_ids, expected_output
 
 
 def client(srv, **kw) -> openai.OpenAI:

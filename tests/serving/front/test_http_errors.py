@@ -77,8 +77,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def srv(tokenizer):
-    from conftest import LiveServer
-    from fake_engine import FakeEngine
+    from tests.serving.front.conftest import LiveServer
+    from tests.serving.front.fake_engine import FakeEngine
 
     from xlaserve.serving.http.server import build_state
 

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import httpx
-from fake_engine import FakeEngine
+from tests.serving.front.fake_engine import FakeEngine
 
 from xlaserve.serving.server_config import AdmissionConfig, ServedModel, ServerConfig
 

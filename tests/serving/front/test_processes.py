@@ -4,6 +4,8 @@ down by SIGTERM."""
 
 from __future__ import annotations
 
+from tests.conftest import MODEL_DIR
+
 import os
 import signal
 import subprocess
@@ -13,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import openai
-from conftest import free_port
-from fake_engine import expected_ids
+from tests.serving.front.conftest import free_port
+from tests.serving.front.fake_engine import expected_ids
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -29,13 +31,13 @@ def spawn(fn: str, args: list[str]) -> subprocess.Popen[bytes]:
 
 
 def test_worker_and_server_processes(tmp_path, tokenizer):
-    model_dir = os.environ.get("XLASERVE_MODEL_DIR", "/tmp/smolconv")
+    model_dir = str(MODEL_DIR)
     wport, hport = free_port(), free_port()
     (tmp_path / "worker.toml").write_text(f"""
 [[models]]
 name = "fake"
 path = "{model_dir}"
-engine = "fake_engine:build"
+engine = "tests.serving.front.fake_engine:build"
 engine_args = {{ token_delay = 0.01 }}
 """)
     (tmp_path / "serve.toml").write_text(f"""

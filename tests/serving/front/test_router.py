@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from fake_engine import FakeEngine
+from tests.serving.front.fake_engine import FakeEngine
 
 from xlaserve.serving.server_config import AutoRouteConfig, RouterConfig, ServedModel, ServerConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from scheduler_helpers import req
+from tests.serving.scheduler.scheduler_helpers import req
 
 from xlaserve.serving.scheduler import Scheduler, SchedulerConfig
 

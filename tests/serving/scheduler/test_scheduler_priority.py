@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler_helpers import req, rows, step
+from tests.serving.scheduler.scheduler_helpers import req, rows, step
 
 from xlaserve.serving.scheduler import Scheduler, effective_tier
 from xlaserve.serving.scheduler.sequence import Sequence
