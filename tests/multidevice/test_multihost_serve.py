@@ -1,5 +1,6 @@
 """`xlaserve serve` on a mesh over two processes: HTTP on process 0, the same tokens as one
-process, and a killed peer that makes process 0 answer with an error and exit.
+process; a peer killed under load makes process 0 answer with an error and exit 1, one killed
+while process 0 is idle ends it through jax's heartbeat check; SIGTERM stops both cleanly.
 
     process 0: xlaserve serve --config C   (XLASERVE_PROCESS_ID=0)  HTTP :port, scheduler
     process 1: xlaserve serve --config C   (XLASERVE_PROCESS_ID=1)  follows process 0
@@ -132,15 +133,15 @@ def choices(response: httpx.Response) -> list[tuple[str, list[str], list[float]]
     return [(c["text"], c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in out]
 
 
-def start_pair(servers: Servers, tmp: Path, model: Path) -> int:
+def start_pair(servers: Servers, tmp: Path, model: Path, **env: str) -> int:
     """Both processes of the two-process server; returns process 0's HTTP port."""
     port, coordinator = free_port(), free_port()
     config = tmp / "two_processes.toml"
     config.write_text(server_toml(model, port, mesh="{ pipeline = 2, tensor = 2 }",
                                   distributed=f'\n[distributed]\ncoordinator = '
                                               f'"127.0.0.1:{coordinator}"\nnum_processes = 2\n'))
-    servers.start("process1", config, XLASERVE_PROCESS_ID="1")
-    servers.start("process0", config, XLASERVE_PROCESS_ID="0")
+    servers.start("process1", config, XLASERVE_PROCESS_ID="1", **env)
+    servers.start("process0", config, XLASERVE_PROCESS_ID="0", **env)
     return port
 
 
@@ -203,6 +204,29 @@ def test_stopping_process0_releases_process1(servers, tmp_path, tiny_model) -> N
     assert "process 0 closed the mesh after" in servers.log("process1")
     print(f"both exited 0 {time.monotonic() - stopped:.1f}s after SIGTERM; "
           f"{servers.log('process1').strip().splitlines()[-1]}")
+
+
+def test_idle_process0_fails_when_its_peer_stops_beating(servers, tmp_path, tiny_model) -> None:
+    """With nothing in flight no collective notices a dead peer; jax's coordination service
+    does, after the heartbeat timeout (5 s here, set by the environment over the table's
+    default), and ends process 0 non-zero with a line naming the silent task."""
+    port = start_pair(servers, tmp_path, tiny_model, XLASERVE_HEARTBEAT_TIMEOUT_S="5")
+    servers.wait_ready({"process0": port})
+    assert len(choices(complete(port))) == 2
+    p0, p1 = servers.procs["process0"], servers.procs["process1"]
+    p1.send_signal(signal.SIGKILL)
+    p1.wait(timeout=10)
+    killed = time.monotonic()
+    try:
+        code = p0.wait(timeout=FAIL_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"idle process 0 still running {FAIL_LIMIT_S}s after its peer "
+                             f"died\n{servers.logs()}") from None
+    log0 = servers.log("process0")
+    assert code != 0, log0[-4000:]
+    assert "unhealthy (stopped sending heartbeats)" in log0, log0[-4000:]
+    print(f"idle process 0 ended ({code}) {time.monotonic() - killed:.1f}s after process 1 "
+          f"was killed")
 
 
 def test_distributed_settings_from_table_and_environment() -> None:

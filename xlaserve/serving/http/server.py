@@ -15,6 +15,10 @@ the same `xlaserve serve` command as one jax job whose mesh spans them:
     SIGTERM: stop serving, release followers      -> exit 0
     a failed step (peer died): every request   process 0 died: the next collective raises
       gets an error, serving stops, exit 1        -> log, exit 1
+
+A peer that dies while process 0 is idle fails no collective; jax's coordination service
+notices its missing heartbeat after `heartbeat_timeout_s` and aborts the survivors (their log
+names the silent process).
 """
 
 from __future__ import annotations
