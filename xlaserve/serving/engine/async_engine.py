@@ -238,8 +238,9 @@ class AsyncEngine:
         import jax
 
         n = jax.process_count()
-        error = (f"a step on the mesh over {n} processes failed, so a peer process died or "
-                 f"stopped answering (this engine stops): {type(e).__name__}: {e}")
+        error = (f"a step on the mesh over {n} processes failed: a peer process died or "
+                 f"stopped answering, or the processes fell out of step; this engine stops "
+                 f"({type(e).__name__}: {e})")
         log.error("process %d: %s", jax.process_index(), error, exc_info=e)
         with self._wake:
             self.fatal_error = self.last_error = error
