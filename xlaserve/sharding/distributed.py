@@ -5,19 +5,25 @@
     jax.devices() = every process's devices; a mesh over them spans the processes
     broadcast_from_process0(x)   ──────>    broadcast_from_process0(zeros like x) -> x
 
-Settings come from a `[distributed]` TOML table or the environment (XLASERVE_COORDINATOR,
-XLASERVE_NUM_PROCESSES, XLASERVE_PROCESS_ID; jax's own JAX_COORDINATOR_ADDRESS, ... also work).
+Settings come from a `[distributed]` TOML table (coordinator, num_processes, process_id, ...)
+and/or the environment (XLASERVE_COORDINATOR, XLASERVE_NUM_PROCESSES, XLASERVE_PROCESS_ID,
+XLASERVE_HEARTBEAT_TIMEOUT_S; jax's own JAX_COORDINATOR_ADDRESS, ... also work).  A variable
+that is set wins over the table's key, so every host can read one file and set only its
+XLASERVE_PROCESS_ID.
 
 Failure: jax's coordination service checks every process's heartbeat; one that stops beating
-for `heartbeat_timeout_s` fails the whole job (jax reports it and terminates the survivors).
-Within a step, a collective whose peer died raises from the collective library, and
-`broadcast_from_process0` gives up after `timeout_s` with PeerTimeout rather than waiting
-forever on a peer that hangs.
+for `heartbeat_timeout_s` fails the whole job (jax logs "tasks are unhealthy (stopped sending
+heartbeats): <ids>" and aborts the survivors).  Within a step, a collective whose peer died
+raises from the collective library at once, and `broadcast_from_process0` gives up after
+`timeout_s` with PeerTimeout rather than waiting forever on a peer that hangs.  A process that
+saw a peer fail leaves with `exit_now`: jax's own exit handler would wait at a shutdown barrier
+for the dead peer.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +36,10 @@ ENV_PREFIX = "XLASERVE_"
 
 class PeerTimeout(RuntimeError):
     """A collective across processes did not finish in time: a peer died or hangs."""
+
+
+class PeerFailure(RuntimeError):
+    """A process of a multi-host job died or stopped answering: the job cannot go on."""
 
 
 @dataclass(frozen=True)
@@ -59,36 +69,62 @@ class DistributedConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DistributedConfig:
+        """A `[distributed]` table; `coordinator` is short for `coordinator_address`."""
+        d = dict(d)
+        if "coordinator" in d:
+            if "coordinator_address" in d:
+                raise ValueError("[distributed]: give coordinator or coordinator_address, "
+                                 "not both")
+            d["coordinator_address"] = d.pop("coordinator")
         known = set(cls.__dataclass_fields__)
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown [distributed] keys {sorted(unknown)}; known: "
-                             f"{sorted(known)}")
+                             f"coordinator, {sorted(known)}")
         missing = {"coordinator_address", "num_processes", "process_id"} - set(d)
         if missing:
-            raise ValueError(f"[distributed] needs {sorted(missing)}")
+            raise ValueError(f"[distributed] needs {sorted(missing)} (or their variables "
+                             f"{sorted(ENV_PREFIX + ENV_KEYS[k] for k in missing)})")
         return cls(**d)
+
+    @classmethod
+    def resolve(cls, table: Mapping[str, Any] | None = None,
+                env: Mapping[str, str] | None = None) -> DistributedConfig | None:
+        """The `[distributed]` table with every key whose variable is set in `env` (default:
+        os.environ) replaced by the variable's value; None when neither names a coordinator
+        (a single-process server)."""
+        env = os.environ if env is None else env
+        merged = dict(table or {})
+        if "coordinator" in merged and "coordinator_address" not in merged:
+            merged["coordinator_address"] = merged.pop("coordinator")
+        for key, ours in ENV_KEYS.items():
+            value = env.get(ENV_PREFIX + ours) or (env.get(JAX_ENV[key]) if key in JAX_ENV
+                                                   else None)
+            if value:
+                try:
+                    merged[key] = value if key == "coordinator_address" else int(value)
+                except ValueError:
+                    raise ValueError(f"{ENV_PREFIX + ours}={value!r} is not an integer") \
+                        from None
+        if not merged.get("coordinator_address"):
+            if merged:
+                raise ValueError(f"[distributed] {sorted(merged)} given but no coordinator: "
+                                 f"set coordinator or {ENV_PREFIX}COORDINATOR")
+            return None
+        return cls.from_dict(merged)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DistributedConfig | None:
         """From XLASERVE_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID (or jax's JAX_* names);
         None when no coordinator is set (a single-process server)."""
-        env = os.environ if env is None else env
+        return cls.resolve(None, env)
 
-        def get(ours: str, jax_name: str) -> str | None:
-            return env.get(ENV_PREFIX + ours) or env.get(jax_name)
 
-        address = get("COORDINATOR", "JAX_COORDINATOR_ADDRESS")
-        if not address:
-            return None
-        num, pid = get("NUM_PROCESSES", "JAX_NUM_PROCESSES"), get("PROCESS_ID", "JAX_PROCESS_ID")
-        if num is None or pid is None:
-            raise ValueError(f"coordinator {address!r} is set but {ENV_PREFIX}NUM_PROCESSES "
-                             f"and {ENV_PREFIX}PROCESS_ID are not both set")
-        extra: dict[str, Any] = {}
-        if env.get(ENV_PREFIX + "HEARTBEAT_TIMEOUT_S"):
-            extra["heartbeat_timeout_s"] = int(env[ENV_PREFIX + "HEARTBEAT_TIMEOUT_S"])
-        return cls(address, int(num), int(pid), **extra)
+# DistributedConfig field -> the XLASERVE_ variable that sets it (and jax's own name, if any).
+ENV_KEYS = {"coordinator_address": "COORDINATOR", "num_processes": "NUM_PROCESSES",
+            "process_id": "PROCESS_ID", "heartbeat_timeout_s": "HEARTBEAT_TIMEOUT_S"}
+JAX_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS",
+           "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
 
 
 def initialize(config: DistributedConfig | None = None) -> bool:
@@ -103,6 +139,23 @@ def initialize(config: DistributedConfig | None = None) -> bool:
         process_id=config.process_id, initialization_timeout=config.initialization_timeout_s,
         heartbeat_timeout_seconds=config.heartbeat_timeout_s)
     return True
+
+
+def is_multiprocess() -> bool:
+    """Has this process joined a job of several processes?  (Touches no device unless
+    jax.distributed was initialized.)"""
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def exit_now(code: int) -> None:
+    """Leave at once with `code`, after flushing output, skipping jax's exit handler (its
+    distributed shutdown waits at a barrier for every process, including a dead one)."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def broadcast_from_process0(tree: Any, timeout_s: float | None) -> Any:

@@ -9,6 +9,17 @@ loop's.
 The LLMEngine is touched only by the engine thread.  A consumer that stops iterating (client
 gone, cancelled task) aborts its request.  An exception in a device step fails the requests that
 were in flight and the loop keeps serving the rest.
+
+A mesh that spans processes (multi-host) is driven from process 0 only:
+
+    process 0: AsyncEngine thread                 process k > 0: AsyncEngine.follow()
+      warmup()            <── collectives ──>       warmup()   (same buckets, same order)
+      step(); step(); ... ── runner broadcasts ──>  runner.follow(): the same calls
+      shutdown: runner.close() ── STOP ─────────>   follow() returns
+
+There a failed step is fatal: the processes may be out of step (or one is dead), so the engine
+ends every request it holds with an error, answers later submits with one, stops its thread and
+reports through `wait_failed()` (the server then stops serving).
 """
 
 from __future__ import annotations
@@ -50,7 +61,14 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._completed: deque[float] = deque(maxlen=256)   # finish times, for service rate
         self.last_error: str | None = None
+        self.fatal_error: str | None = None   # set once a multi-host step failed: no more work
+        self._failure_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]] = []
         self._stats = self._snapshot()
+
+    @property
+    def spans_processes(self) -> bool:
+        """Does this engine's mesh span several processes (driven from process 0)?"""
+        return self.engine.runner.channel is not None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -66,13 +84,40 @@ class AsyncEngine:
     def launch(self, warmup: bool = True) -> None:
         """Start the engine thread; compiles every bucket first unless `warmup` is False."""
         def run() -> None:
-            if warmup:
-                self.engine.runner.warmup()
-            self.ready = True
-            self._loop()
+            try:
+                if warmup:
+                    self.engine.runner.warmup()
+                self.ready = True
+                self._loop()
+            except Exception as e:  # warm-up, or a multi-host reset/close, failed
+                if not self.spans_processes:
+                    raise
+                self._fail_for_good(e)
 
         self._thread = threading.Thread(target=run, name="xlaserve-engine", daemon=True)
         self._thread.start()
+
+    def follow(self) -> int:
+        """On a process other than 0 of a multi-host mesh: compile the buckets process 0
+        compiles (the step channel's warm-up is a collective), then run every call process 0
+        launches until it closes the runner.  Returns the number of calls; raises when process
+        0 dies or stops answering."""
+        runner = self.engine.runner
+        if not self.spans_processes or runner.is_leader:
+            raise RuntimeError("follow() is for processes other than 0 of a multi-host mesh")
+        runner.warmup()
+        self.ready = True
+        return runner.follow()
+
+    async def wait_failed(self) -> str:
+        """Returns (the error) once a step on a multi-host mesh has failed; never otherwise."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[str] = loop.create_future()
+        with self._wake:
+            if self.fatal_error is not None:
+                return self.fatal_error
+            self._failure_waiters.append((loop, future))
+        return await future
 
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._wake:
@@ -87,10 +132,17 @@ class AsyncEngine:
         """Stream the request's events; the last one has `finish_reason` set."""
         waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
         rid = request.request_id
-        if rid in self._waiters:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        self._waiters[rid] = waiter
-        self._post("add", request)
+        with self._wake:   # atomic with _fail_for_good: a waiter is either failed or refused
+            refused = self.fatal_error
+            if refused is None:
+                if rid in self._waiters:
+                    raise ValueError(f"request_id {rid!r} is already in use")
+                self._waiters[rid] = waiter
+                self._inbox.append(("add", request))
+                self._wake.notify()
+        if refused is not None:
+            yield EngineEvent(rid, finish_reason="error", error=refused)
+            return
         finished = False
         try:
             while True:
@@ -164,17 +216,47 @@ class AsyncEngine:
                 while not self._stop and not self._inbox and not self.engine.has_work():
                     self._wake.wait()
                 if self._stop:
+                    self.engine.runner.close()   # multi-host: release the followers
                     return
             self._drain_inbox()
             try:
                 events = self.engine.step()
             except Exception as e:  # a failed device step: fail its requests, keep serving
+                if self.spans_processes:   # ... unless the processes may be out of step
+                    self._fail_for_good(e)
+                    return
                 log.exception("engine step failed")
                 self.last_error = f"{type(e).__name__}: {e}"
                 events = self.engine.fail_in_flight(self.last_error)
             self._stats = self._snapshot()
             for event in events:
                 self._deliver(event)
+
+    def _fail_for_good(self, e: BaseException) -> None:
+        """A multi-host step failed: end every request with an explicit error, refuse new
+        ones, and tell `wait_failed()`.  No reset (it would be a broadcast to the dead peer)."""
+        import jax
+
+        n = jax.process_count()
+        error = (f"a step on the mesh over {n} processes failed: a peer process died or "
+                 f"stopped answering, or the processes fell out of step; this engine stops "
+                 f"({type(e).__name__}: {e})")
+        log.error("process %d: %s", jax.process_index(), error, exc_info=e)
+        with self._wake:
+            self.fatal_error = self.last_error = error
+            waiters, self._waiters = dict(self._waiters), {}
+            self._inbox.clear()
+            failure_waiters, self._failure_waiters = self._failure_waiters, []
+        for rid, waiter in waiters.items():
+            event = EngineEvent(rid, finish_reason="error", error=error)
+            waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, event)
+        for loop, future in failure_waiters:
+            loop.call_soon_threadsafe(_resolve, future, error)
+
+
+def _resolve(future: asyncio.Future[str], value: str) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def build(served: Any) -> list[AsyncEngine]:
@@ -194,5 +276,7 @@ def build(served: Any) -> list[AsyncEngine]:
         mesh = MeshConfig.from_dict(mesh)
     if mesh is not None:
         args["mesh"] = mesh
+    # On a multi-host job every process calls this with the same config: process 0 gets the
+    # engine it serves with, the others the same runner, to `follow()`.
     engines = build_engines(served.path, EngineConfig(**args), warmup=False)
     return [AsyncEngine(e, model_name=served.name) for e in engines]

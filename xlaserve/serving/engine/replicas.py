@@ -8,6 +8,10 @@
                                   + LLMEngine; the router spreads requests over them
 
 Replicas share nothing on device; they share the host-side ModelConfig and tokenizer.
+
+Multi-host (jax.distributed initialized, several processes): every process runs this with the
+same config and gets the same engine; the mesh must cover devices of every process (process 0
+schedules and broadcasts each step, the others follow), and one engine drives the whole job.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+from jax.sharding import Mesh
 
 from xlaserve.checkpoints.store import load_config, load_params
 from xlaserve.serving.engine.config import EngineConfig
@@ -35,8 +40,27 @@ def load_replicas(folder: str | Path, engine_config: EngineConfig, *, dtype: str
     config = load_config(folder, dtype)
     tokenizer = Tokenizer.load(folder)
     meshes = make_replica_meshes(engine_config.mesh, devices)
+    if jax.process_count() > 1:
+        check_multihost_meshes(engine_config, meshes)
     return [LoadedModel(config, load_params(folder, config, mesh), tokenizer, mesh)
             for mesh in meshes]
+
+
+def check_multihost_meshes(engine_config: EngineConfig, meshes: Sequence[Mesh]) -> None:
+    """On a job of several processes: one replica whose mesh covers every process (its steps
+    are broadcast to all of them; two engines would interleave their broadcasts)."""
+    n = jax.process_count()
+    m = engine_config.mesh
+    layout = f"pipeline={m.pipeline} x tensor={m.tensor} x replicas={m.replicas}"
+    if len(meshes) != 1:
+        raise ValueError(f"mesh {layout}: a job of {n} processes serves one replica whose mesh "
+                         f"spans them all; set replicas = 1")
+    processes = sorted({d.process_index for d in meshes[0].devices.flat})
+    if len(processes) != n:
+        raise ValueError(f"mesh {layout} covers the devices of processes {processes} only; a "
+                         f"job of {n} processes ({jax.device_count()} devices, "
+                         f"{jax.local_device_count()} per process) needs a mesh over every "
+                         f"process's devices")
 
 
 def make_runner(model: LoadedModel, engine_config: EngineConfig) -> ModelRunner:

@@ -3,6 +3,22 @@
 Engines per model come from `[[models]] replicas`: "local" replicas are built by the factory
 named in `engine` ("module:function", called with the ServedModel, returning an AsyncEngine or
 an awaitable of one); "grpc://host:port" replicas are `RemoteEngine`s to an `xlaserve worker`.
+
+Multi-host: a `[distributed]` table in the config file (or XLASERVE_COORDINATOR /
+XLASERVE_NUM_PROCESSES / XLASERVE_PROCESS_ID, see sharding/distributed.py) makes every host run
+the same `xlaserve serve` command as one jax job whose mesh spans them:
+
+    process 0                                   process k > 0
+    initialize(), build the engine              initialize(), build the same engine
+    HTTP front + scheduler; each step is        no HTTP: warm up the same buckets, then
+      broadcast to the followers ─────────────>   AsyncEngine.follow() until process 0 closes
+    SIGTERM: stop serving, release followers      -> exit 0
+    a failed step (peer died): every request   process 0 died: the next collective raises
+      gets an error, serving stops, exit 1        -> log, exit 1
+
+A peer that dies while process 0 is idle fails no collective; jax's coordination service
+notices its missing heartbeat after `heartbeat_timeout_s` and aborts the survivors (their log
+names the silent process).
 """
 
 from __future__ import annotations
@@ -12,9 +28,13 @@ import asyncio
 import dataclasses
 import importlib
 import inspect
+import json
+import logging
 import signal
 import sys
+import tomllib
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from hypercorn.asyncio import serve
@@ -25,7 +45,16 @@ from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.http.app import create_app
 from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.router import ModelGroup, Replica, Router
-from xlaserve.serving.server_config import ServerConfig, load_config
+from xlaserve.serving.server_config import ServerConfig, config_from_dict
+from xlaserve.sharding.distributed import (
+    DistributedConfig,
+    PeerFailure,
+    exit_now,
+    initialize,
+    is_multiprocess,
+)
+
+log = logging.getLogger(__name__)
 
 
 def build_state(config: ServerConfig, engines: Mapping[str, Sequence[AsyncEngine]]
@@ -91,7 +120,19 @@ def hypercorn_config(config: ServerConfig, port: int | None = None) -> HyperConf
     return hc
 
 
+def multihost_engine(engines: Mapping[str, Sequence[AsyncEngine]]) -> Any:
+    """On a job of several processes: the one local engine, whose mesh spans them all."""
+    local = [e for reps in engines.values() for e in reps if hasattr(e, "spans_processes")]
+    if len(local) != 1 or not local[0].spans_processes:
+        raise ValueError(f"a multi-host server drives exactly one local engine whose mesh spans "
+                         f"every process; this config builds {len(local)} local engine(s) "
+                         f"for models {sorted(engines)}")
+    return local[0]
+
+
 async def serve_async(config: ServerConfig, shutdown: asyncio.Event | None = None) -> None:
+    """Serve until `shutdown` is set (or SIGINT/SIGTERM).  Raises PeerFailure when an engine
+    on a multi-host mesh failed for good (after answering its requests and stopping)."""
     engines = await build_engines(config)
     state = build_state(config, engines)
     shutdown = shutdown or asyncio.Event()
@@ -101,8 +142,58 @@ async def serve_async(config: ServerConfig, shutdown: asyncio.Event | None = Non
             loop.add_signal_handler(sig, shutdown.set)
         except (NotImplementedError, RuntimeError):
             pass
-    await serve(create_app(state), hypercorn_config(config),  # type: ignore[arg-type]
-                shutdown_trigger=shutdown.wait)
+    failures: list[str] = []
+
+    async def stop_on_failure(engine: Any) -> None:
+        error = await engine.wait_failed()
+        failures.append(error)
+        print(f"xlaserve serve: process 0: stopping the server: {error}", file=sys.stderr,
+              flush=True)
+        shutdown.set()
+
+    watchers = []
+    if is_multiprocess():
+        watchers.append(asyncio.ensure_future(stop_on_failure(multihost_engine(engines))))
+    try:
+        await serve(create_app(state), hypercorn_config(config),  # type: ignore[arg-type]
+                    shutdown_trigger=shutdown.wait)
+    finally:
+        for w in watchers:
+            w.cancel()
+    if failures:
+        raise PeerFailure(failures[0])
+
+
+def follow_main(config: ServerConfig) -> int:
+    """A process other than 0: build the same engine, follow process 0 until it closes."""
+    import jax
+
+    pid, n = jax.process_index(), jax.process_count()
+    engine = multihost_engine(asyncio.run(build_engines(config)))
+    print(f"xlaserve serve: process {pid} of {n}: following process 0 "
+          f"({engine.model_name}, {jax.device_count()} devices)", file=sys.stderr, flush=True)
+    try:
+        calls = engine.follow()
+    except Exception as e:  # noqa: BLE001 - process 0 or another peer is gone
+        print(f"xlaserve serve: process {pid}: lost the mesh (process 0 or another peer died "
+              f"or stopped answering): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        exit_now(1)
+    print(f"xlaserve serve: process {pid}: process 0 closed the mesh after {calls} steps",
+          file=sys.stderr, flush=True)
+    return 0
+
+
+def load_serve_config(path: str | Path) -> tuple[ServerConfig, Mapping[str, Any] | None]:
+    """The server config file, and its `[distributed]` table (None when absent), which is
+    the command's business rather than the ServerConfig's."""
+    path = Path(path)
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        table = data.pop("distributed", None)
+        return config_from_dict(data), table
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def serve_main(argv: list[str] | None = None) -> int:
@@ -114,8 +205,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     p.add_argument("--mesh", help="device layout preset for every local model "
                                   "(e.g. configs/tp2.toml): sets engine_args.mesh")
     args = p.parse_args(argv)
+    distributed: DistributedConfig | None = None
     try:
-        config = load_config(args.config)
+        config, table = load_serve_config(args.config)
+        distributed = DistributedConfig.resolve(table)
         if args.mesh:
             config = dataclasses.replace(config, models=tuple(
                 dataclasses.replace(m, engine_args={**m.engine_args, "mesh": args.mesh})
@@ -123,9 +216,18 @@ def serve_main(argv: list[str] | None = None) -> int:
         if args.host or args.port is not None:
             config = dataclasses.replace(config, host=args.host or config.host,
                                          port=config.port if args.port is None else args.port)
+        if distributed is not None:
+            initialize(distributed)   # before any device use: jax.devices() spans the job
+            if distributed.process_id != 0:
+                return follow_main(config)
         asyncio.run(serve_async(config))
+    except PeerFailure as e:
+        print(f"xlaserve serve: error: {e}", file=sys.stderr)
+        exit_now(1)   # not jax's exit handler: it would wait for the dead peer
     except (ValueError, FileNotFoundError) as e:
         print(f"xlaserve serve: error: {e}", file=sys.stderr)
+        if distributed is not None:
+            exit_now(2)
         return 2
     except KeyboardInterrupt:
         return 130
