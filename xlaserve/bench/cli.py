@@ -23,10 +23,25 @@ def _startup(args: argparse.Namespace) -> int:
     return startup_main(args.model, args.variant_layers, args.chunk, args.width, args.json)
 
 
+def _online(args: argparse.Namespace) -> int:
+    from xlaserve.bench.online import OnlineOptions, online_main, parse_rates
+    from xlaserve.bench.online_report import SLO
+    from xlaserve.bench.stream_client import Endpoint
+
+    endpoint = Endpoint(base_url=args.url, model=args.model, kind=args.endpoint,
+                        api_key=args.api_key, include_usage=not args.no_usage,
+                        timeout_s=args.timeout)
+    options = OnlineOptions(
+        workload=args.workload, rates=parse_rates(args.rates), num_requests=args.num_requests,
+        duration_s=args.duration, seed=args.seed, slo=SLO(args.slo_ttft, args.slo_tpot),
+        progress=not args.no_progress)
+    return online_main(endpoint, options, args.tokenizer, args.json, args.plot)
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from xlaserve.bench.workload import WORKLOADS
 
-    b = sub.add_parser("bench", help="benchmarks: offline throughput, startup")
+    b = sub.add_parser("bench", help="benchmarks: offline throughput, online serving, startup")
     bsub = b.add_subparsers(dest="bench_command", required=True)
 
     o = bsub.add_parser("offline", help="one workload through engine / static / hf, one table")
@@ -47,6 +62,33 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--copy-mib", type=int, default=512,
                    help="array size of the bandwidth probe, MiB")
     o.set_defaults(fn=_offline)
+
+    n = bsub.add_parser("online", help="Poisson arrivals at one or more rates against an "
+                        "OpenAI-compatible server: TTFT, TPOT, ITL, latency, goodput")
+    n.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000/v1")
+    n.add_argument("--model", required=True, help="the served model's name")
+    n.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    n.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    n.add_argument("--workload", default="mixed", choices=sorted(WORKLOADS),
+                   help="; ".join(f"{k}: {v.description}" for k, v in WORKLOADS.items()))
+    n.add_argument("--tokenizer", help="model folder whose tokenizer.json cuts the prompts "
+                   "to exact token lengths (default: the corpus cut into words)")
+    n.add_argument("--rates", default="1", help="requests/s, comma-separated for a sweep "
+                   "(e.g. 0.5,1,2); inf sends every request at once")
+    n.add_argument("--num-requests", type=int, default=None,
+                   help="requests per rate (default: the workload's count)")
+    n.add_argument("--duration", type=float, default=None,
+                   help="seconds per rate after which no request is sent")
+    n.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, s")
+    n.add_argument("--slo-ttft", type=float, default=1.0, help="goodput SLO on TTFT, s")
+    n.add_argument("--slo-tpot", type=float, default=0.2, help="goodput SLO on TPOT, s")
+    n.add_argument("--no-usage", action="store_true",
+                   help="do not ask for stream_options.include_usage (count text chunks)")
+    n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--json", help="write summaries and per-request records")
+    n.add_argument("--plot", help="write a PNG of TTFT/TPOT p50 and p99 against rate")
+    n.add_argument("--no-progress", action="store_true", help="no progress bar")
+    n.set_defaults(fn=_online)
 
     s = bsub.add_parser("startup", help="load + compile time of the model vs a shallow variant")
     s.add_argument("--model", required=True, help="model folder written by `xlaserve convert`")

@@ -1,0 +1,194 @@
+"""`xlaserve bench online`: a named workload sent to any OpenAI-compatible server as Poisson
+arrivals, one run per request rate, every request streamed and timed chunk by chunk.
+
+    workload spec --build--> token-id prompts --decode--> TextRequest[]     text_requests()
+        (no tokenizer at hand: the corpus cut into words instead, see CorpusWords)
+    rate r: arrival gaps ~ Exp(mean 1/r), the same seeded draws at every rate  poisson_arrivals()
+        each arrival --stream_client.send--> RequestRecord                    run_rate()
+    RequestRecord[] + wall time + SLO --> one summary per rate             online_report.py
+    summaries --> table (stdout), JSON (--json), PNG (--plot)
+
+Every rate sends the same requests in the same order, so the rates differ only in spacing.  A
+rate's run sends nothing after `duration_s` and ends once every sent request has finished or hit
+its timeout; its wall time runs from the first send to the last finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from xlaserve.bench.online_report import SLO, format_rate_table, rate_label, summarize
+from xlaserve.bench.stream_client import Endpoint, RequestRecord, TextRequest, send
+from xlaserve.bench.workload import get_workload
+
+if TYPE_CHECKING:
+    from xlaserve.serving.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class OnlineOptions:
+    workload: str = "mixed"
+    rates: tuple[float, ...] = (1.0,)   # requests/s; math.inf sends every request at once
+    num_requests: int | None = None     # per rate; None: the workload's own count
+    duration_s: float | None = None     # per rate: no request is sent after this
+    seed: int = 0
+    slo: SLO = field(default_factory=SLO)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.rates or not all(r > 0 for r in self.rates):
+            raise ValueError(f"--rates {self.rates}: need one or more rates > 0 (or inf)")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"--num-requests {self.num_requests} must be >= 1")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError(f"--duration {self.duration_s} must be > 0")
+        get_workload(self.workload)
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    """'0.5,1,2' -> (0.5, 1.0, 2.0); 'inf' is every request at once."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--rates {text!r}: expected comma-separated numbers or inf") from None
+
+
+class CorpusWords:
+    """Stands in for the served model's tokenizer when none is at hand: one 'token' per
+    whitespace-separated word of the corpus (about 1.3 BPE tokens per English word), so the
+    workload's prompt lengths become word counts."""
+
+    def __init__(self) -> None:
+        self._words: list[str] = []
+        self._ids: dict[str, int] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        out = []
+        for w in re.findall(r"\S+", text):
+            if w not in self._ids:
+                self._ids[w] = len(self._words)
+                self._words.append(w)
+            out.append(self._ids[w])
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self._words[i] for i in ids)
+
+
+def text_requests(workload: str, tokenizer: Tokenizer | None, seed: int = 0,
+                  num_requests: int | None = None) -> tuple[list[TextRequest], dict[str, Any]]:
+    """The workload's requests as text prompts (its token ids decoded; corpus words without a
+    tokenizer), and its description for the report."""
+    spec = get_workload(workload)
+    words = CorpusWords() if tokenizer is None else None
+    # CorpusWords has the two methods build() and decode below use; it is no Tokenizer.
+    tok = cast("Tokenizer", words) if words is not None else tokenizer
+    assert tok is not None
+    w = spec.build(tok, seed, num_requests)
+    requests = [TextRequest(r.request_id, tok.decode(list(r.prompt_token_ids)),
+                            r.num_output_tokens) for r in w.requests]
+    return requests, {**w.describe(), "prompt_units": "words" if words else "tokens"}
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
+    """Send times in seconds, the first at 0: [n], gaps exponential with mean 1/rate.  The
+    same seed draws the same unit gaps at every rate, scaled by 1/rate."""
+    if math.isinf(rate):
+        return np.zeros(n)
+    gaps = np.random.default_rng(seed).exponential(1.0, n) / rate
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+async def run_rate(endpoint: Endpoint, requests: list[TextRequest], rate: float,
+                   options: OnlineOptions) -> tuple[list[RequestRecord], float, int]:
+    """(records of the sent requests, wall seconds, number not sent because of duration)."""
+    arrivals = poisson_arrivals(len(requests), rate, options.seed)
+    planned = [(req, float(at)) for req, at in zip(requests, arrivals)
+               if options.duration_s is None or at < options.duration_s]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    bar = tqdm(total=len(planned), desc=f"rate {rate_label(rate)} req/s", unit="req",
+               disable=not options.progress, leave=False)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(endpoint.timeout_s),
+                                 limits=limits) as client:
+        t0 = time.perf_counter()
+
+        failures: dict[str, int] = {}
+
+        async def one(req: TextRequest, at: float) -> RequestRecord:
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            record = await send(client, endpoint, req, t0, at)
+            if not record.ok:
+                failures[record.status] = failures.get(record.status, 0) + 1
+                bar.set_postfix(failures, refresh=False)
+            bar.update(1)
+            return record
+
+        records = await asyncio.gather(*(one(req, at) for req, at in planned))
+        wall = time.perf_counter() - t0
+    bar.close()
+    return list(records), wall, len(requests) - len(planned)
+
+
+def run_sweep(endpoint: Endpoint, requests: list[TextRequest],
+              options: OnlineOptions) -> list[dict[str, Any]]:
+    """One summary per rate, each with its per-request records under "requests"."""
+    results = []
+    for rate in options.rates:
+        records, wall, unsent = asyncio.run(run_rate(endpoint, requests, rate, options))
+        summary = summarize(rate, records, wall, options.slo, unsent)
+        results.append({**summary, "requests": [r.to_json() for r in records]})
+    return results
+
+
+def _json_safe(x: Any) -> Any:
+    """inf (a burst rate) as the string "inf": strict JSON has no Infinity."""
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def online_main(endpoint: Endpoint, options: OnlineOptions, tokenizer_dir: str | None,
+                json_path: str | None, plot_path: str | None) -> int:
+    tokenizer = None
+    if tokenizer_dir is not None:
+        from xlaserve.serving.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.load(tokenizer_dir)
+    requests, workload = text_requests(options.workload, tokenizer, options.seed,
+                                       options.num_requests)
+    results = run_sweep(endpoint, requests, options)
+    print(f"{endpoint.kind} at {endpoint.url}, model {endpoint.model}, workload "
+          f"{workload['name']} ({len(requests)} requests/rate), SLO TTFT <= "
+          f"{options.slo.ttft_s:g} s and TPOT <= {options.slo.tpot_s:g} s")
+    print(format_rate_table(results))
+    if json_path:
+        report = {"endpoint": endpoint.describe(), "workload": workload,
+                  "options": {"rates": list(options.rates), "num_requests": len(requests),
+                              "duration_s": options.duration_s, "seed": options.seed},
+                  "slo": {"ttft_s": options.slo.ttft_s, "tpot_s": options.slo.tpot_s},
+                  "rates": results}
+        Path(json_path).write_text(json.dumps(_json_safe(report), indent=1, allow_nan=False))
+        print(f"wrote {json_path}")
+    if plot_path:
+        from xlaserve.bench.latency_plot import plot_latency
+
+        plot_latency(results, plot_path, title=f"{endpoint.model} @ {endpoint.base_url}, "
+                                               f"workload {workload['name']}")
+        print(f"wrote {plot_path}")
+    return 0
