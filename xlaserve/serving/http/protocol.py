@@ -55,7 +55,7 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
            "seed", "presence_penalty", "frequency_penalty", "logprobs", "stream",
-           "stream_options", "priority"}
+           "stream_options", "priority", "ignore_eos"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -219,6 +219,11 @@ def _parse_common(body: dict[str, Any], kind: str, max_n: int) -> ParsedRequest:
         if len(stops) > 16 or any(not x for x in stops):
             raise _value_error("stop", "at most 16 non-empty strings", stop)
         s["stop"] = tuple(_text(x, "stop") for x in stops)
+    ignore_eos = body.get("ignore_eos")  # vLLM's extension: exact lengths for benchmarks
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise _type_error("ignore_eos", "a boolean", ignore_eos)
+        s["ignore_eos"] = ignore_eos
     p.sampling = s
     return p
 
