@@ -15,16 +15,16 @@ COMPLETIONS = "/v1/completions"
 MSGS = [{"role": "user", "content": "Hi"}]
 GOOD = {"model": MODEL, "messages": MSGS, "max_tokens": 2}
 LONG_PROMPT = "word " * 700        # > 512 tokens, the preset's max_model_len
+INVALID_UTF8 = b'{"model": "smollm2", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
+LONE_SURROGATE = b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\ud800"}]}'
 
 # (id, path, body: dict (sent as JSON) or bytes (sent raw), status, param, code)
 CASES = [
     ("malformed-json", CHAT, b'{"model": "smollm2", "messages": [', 400, None, "invalid_json"),
     ("json-not-object", CHAT, b'[1, 2, 3]', 400, None, "invalid_json"),
     ("empty-body", CHAT, b"", 400, None, "invalid_json"),
-    ("invalid-utf8", CHAT, b'{"model": "smollm2", "messages": [{"role": "user", '
-                           b'"content": "\xff\xfe"}]}', 400, None, "invalid_utf8"),
-    ("lone-surrogate", CHAT, b'{"model": "smollm2", "messages": [{"role": "user", '
-                             b'"content": "\\ud800"}]}', 400, "messages[0].content", None),
+    ("invalid-utf8", CHAT, INVALID_UTF8, 400, None, "invalid_utf8"),
+    ("lone-surrogate", CHAT, LONE_SURROGATE, 400, "messages[0].content", None),
     ("missing-model", CHAT, {"messages": MSGS}, 400, "model", "missing_required_parameter"),
     ("model-not-string", CHAT, {**GOOD, "model": 7}, 400, "model", "invalid_type"),
     ("unknown-model", CHAT, {**GOOD, "model": "gpt-17"}, 404, "model", "model_not_found"),
