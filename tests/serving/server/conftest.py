@@ -82,7 +82,8 @@ class Proc:
         return self.popen.poll() is None
 
     def log_tail(self, chars: int = 4000) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def fail(self, why: str) -> None:
@@ -95,8 +96,8 @@ class Proc:
             self.popen.kill()
         self.popen.wait(10)
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within 10 s."""
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL if it has not exited within 10 s; returns the exit code."""
         if self.alive:
             self.popen.send_signal(signal.SIGTERM)
             try:
@@ -105,6 +106,7 @@ class Proc:
                 self.popen.kill()
                 self.popen.wait(10)
         self._log.close()
+        return self.popen.returncode
 
 
 class HttpServer(Proc):
@@ -197,4 +199,5 @@ def front(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield srv.wait_ready()
         assert srv.alive, srv.log_tail()
     finally:
-        srv.stop()
+        code = srv.stop()
+    assert code == 0, f"front exited with {code} on SIGTERM:\n{srv.log_tail()}"
