@@ -59,9 +59,9 @@ class Worker(Proc):
         s = self.stats()
         return s.kv_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0
 
-    def stop(self) -> None:
+    def stop(self) -> int:
         self.channel.close()
-        super().stop()
+        return super().stop()
 
 
 class Cluster:
