@@ -13,6 +13,7 @@ Which replica served a request is read from the workers' own GetStats (num_finis
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -189,44 +190,70 @@ def test_shared_prefix_conversation_sticks_to_one_replica(cluster):
     assert cached[0] == 0 and all(c >= 64 for c in cached[1:]), cached
 
 
-def stream(router: HttpServer, content: str, out: dict, key: int) -> None:
-    """Stream one chat completion over raw SSE; out[key] = (first token time, events, error)."""
-    events: list[dict] = []
+def test_client_disconnect_at_the_router_frees_the_workers_blocks(cluster):
+    """Closing an HTTP stream at the front end cancels the gRPC call; the worker aborts."""
+    assert wait_for(lambda: all(w.idle() for w in cluster.workers), 10)
+    with httpx.stream("POST", cluster.router.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": chat("Count from 1 to 300."), "max_tokens": 300,
+            "temperature": 0, "stream": True}) as r:
+        lines = 0
+        for line in r.iter_lines():
+            lines += line.startswith("data: ")
+            if lines >= 4:   # the role chunk and three tokens
+                break
+        used = [w.stats().kv_blocks_used for w in cluster.workers]
+        assert sum(used) > 0 and 0 in used   # on exactly one worker
+    t0 = time.monotonic()
+    assert wait_for(lambda: all(w.idle() for w in cluster.workers), 5)
+    assert time.monotonic() - t0 < 3
+
+
+def has_content(events: list[dict]) -> bool:
+    return any(c.get("delta", {}).get("content") for e in events for c in e.get("choices", []))
+
+
+def stream(router: HttpServer, content: str, events: list[dict], errors: list[Exception]
+           ) -> None:
+    """Stream one chat completion over raw SSE, appending its events to `events` as they come
+    ({"done": True} for [DONE]); an exception goes to `errors`."""
     try:
         with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=60, json={
                 "model": MODEL, "messages": chat(content), "max_tokens": 24,
                 "temperature": 0, "stream": True}) as r:
             assert r.status_code == 200
-            import json
-
             for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[6:]))
-                elif line == "data: [DONE]":
+                if line == "data: [DONE]":
                     events.append({"done": True})
-        out[key] = events
+                elif line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
     except Exception as e:  # noqa: BLE001 (checked by the test)
-        out[key] = e
+        errors.append(e)
 
 
 def test_sigkill_of_a_replica_fails_its_requests_explicitly_and_routes_to_the_survivor(
         cluster):
-    prompts = [f"Count from {i} to {i + 300}, one number per line." for i in range(1, 5)]
-    results: dict[int, object] = {}
-    threads = [threading.Thread(target=stream, args=(cluster.router, p, results, i))
+    # By their prefixes three of these prefer one replica (it runs two, the third waits there)
+    # and one the other replica.
+    prompts = [f"Count from {i} to {i + 300}, one number per line." for i in (1, 2, 3, 5)]
+    results: list[list[dict]] = [[] for _ in prompts]
+    failures: list[Exception] = []
+    threads = [threading.Thread(target=stream, args=(cluster.router, p, results[i], failures))
                for i, p in enumerate(prompts)]
     for t in threads:
         t.start()
 
-    def in_flight() -> list[int]:
-        return [s.num_running + s.num_waiting for s in (w.stats() for w in cluster.workers)]
+    def settled() -> bool:
+        """All four in the workers, and every running one has streamed a token (waiting ones
+        cannot have: all four started together)."""
+        stats = [w.stats() for w in cluster.workers]
+        running = sum(s.num_running for s in stats)
+        return (sum(s.num_running + s.num_waiting for s in stats) == 4
+                and running == sum(has_content(list(ev)) for ev in results) > 0)
 
-    # wait until all four are in the workers and the first tokens are out
-    assert wait_for(lambda: sum(in_flight()) == 4
-                    and max(w.stats().num_running for w in cluster.workers) > 0, 30, 0.02)
-    time.sleep(0.3)
-    load = in_flight()
-    victim_i = 0 if load[0] else 1
+    assert wait_for(settled, 30, 0.02)
+    stats = [w.stats() for w in cluster.workers]
+    assert sorted((s.num_running, s.num_waiting) for s in stats) == [(1, 0), (2, 1)]
+    victim_i = 0 if stats[0].num_waiting else 1   # the one with a request yet to start
     victim, survivor = cluster.workers[victim_i], cluster.workers[1 - victim_i]
     before = survivor.stats().num_finished
     t_kill = time.monotonic()
@@ -240,28 +267,26 @@ def test_sigkill_of_a_replica_fails_its_requests_explicitly_and_routes_to_the_su
     for t in threads:
         t.join(60)
     assert not any(t.is_alive() for t in threads)
+    assert not failures, failures
     assert time.monotonic() - t_kill < 45
 
     errored = 0
-    for i in range(len(prompts)):
-        events = results[i]
-        assert isinstance(events, list), events
+    for events in results:
         assert events[-1] == {"done": True}       # every stream ends properly
         errors = [e["error"] for e in events if "error" in e]
         finishes = [c["finish_reason"] for e in events for c in e.get("choices", [])
                     if c.get("finish_reason")]
-        content = "".join(c.get("delta", {}).get("content", "") for e in events
-                          for c in e.get("choices", []))
         if errors:
             errored += 1
             (err,) = errors
             assert err["code"] == "engine_error" and victim.address in err["message"], err
             assert not finishes
-            assert content  # tokens were sent: too late to retry elsewhere, so an error
+            assert has_content(events)  # tokens were sent: too late to retry elsewhere
         else:
             assert finishes in (["stop"], ["length"]), events[-3:]
-    # the victim was streaming to someone; everything else finished on the survivor
-    assert errored >= 1
+    # the victim's two running requests (streaming already) failed; its waiting one moved to
+    # the survivor, where everything else finished
+    assert errored == stats[victim_i].num_running == 2
     assert survivor.stats().num_finished - before == len(prompts) - errored + 4
     assert wait_for(survivor.idle, 10)
     assert cluster.router.alive
