@@ -70,6 +70,8 @@ class Proc:
                "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".jax_cache"),
                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1",
                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+               # CPU unless told otherwise: three JAX processes must not each grab most of
+               # one accelerator's memory
                "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
                "XLASERVE_TEST_JWT_SECRET": JWT_SECRET}
         self._log = self.log_path.open("wb")
