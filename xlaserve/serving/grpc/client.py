@@ -3,8 +3,9 @@ in other processes or machines (`xlaserve worker`).
 
 The tokenizer stays local (the front end tokenizes and renders chat templates itself); stats,
 service rate and readiness are polled every `poll_interval` seconds and served from that cache
-(stats() must be cheap).  Closing a stream early cancels the call, which makes the worker abort
-the request; abort() also sends an explicit Abort.  The channel is opened in the event loop
+(stats() must be cheap); a call failing with UNAVAILABLE marks the replica not ready at once,
+so the router stops picking it before the next poll.  Closing a stream early cancels the call,
+which makes the worker abort the request; abort() also sends an explicit Abort.  The channel is opened in the event loop
 that serves (`start()`), since grpc.aio channels belong to one loop.
 """
 
@@ -110,6 +111,10 @@ class RemoteEngine:
                               error=f"{self.target}: stream ended without a finish event")
         except grpc.aio.AioRpcError as e:
             finished = True
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                # The worker is gone or unreachable: stop routing to it now rather than at the
+                # next poll (which marks it ready again once it answers).
+                self._ready = False
             yield EngineEvent(request.request_id, finish_reason="error",
                               error=f"{self.target}: {e.code().name}: {e.details()}")
         finally:

@@ -2,7 +2,9 @@
 replicas), gateway parts and metrics; and `Generation`, one client request's fan-out into
 engine requests with the bookkeeping that must happen however it ends.
 
-    Generation.start()  -> pick a replica per choice, submit, merge the event streams
+    Generation.start()  -> pick a replica per choice, submit, merge the event streams; a
+                           choice whose replica goes down before its first token is
+                           resubmitted to a live one
     Generation.events() -> (choice index, EngineEvent) as they come, each stream ending once
     Generation.close()  -> abort unfinished engine requests, release the admission slot,
                            charge tokens, observe metrics, write the audit line   (exactly once)
@@ -122,18 +124,51 @@ class Generation:
 
     async def _pump(self, c: Choice) -> None:
         try:
-            async for ev in c.replica.engine.submit(c.request):
-                await self._queue.put((c.index, ev))
-                if ev.finished:
-                    return
-            await self._queue.put((c.index, EngineEvent(
-                c.request.request_id, finish_reason="error",
-                error="engine stream ended without a finish event")))
+            moves = len(self.group.replicas) - 1
+            while True:
+                sent = False
+                events = c.replica.engine.submit(c.request)
+                try:
+                    async for ev in events:
+                        if (ev.finish_reason == "error" and not sent and moves > 0
+                                and self._fail_over(c)):
+                            moves -= 1
+                            break  # nothing reached the client yet: run it elsewhere
+                        sent = sent or bool(ev.token_ids or ev.text)
+                        await self._queue.put((c.index, ev))
+                        if ev.finished:
+                            return
+                    else:
+                        await self._queue.put((c.index, EngineEvent(
+                            c.request.request_id, finish_reason="error",
+                            error="engine stream ended without a finish event")))
+                        return
+                finally:
+                    aclose = getattr(events, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 (an engine failure fails this choice, not the server)
             await self._queue.put((c.index, EngineEvent(
                 c.request.request_id, finish_reason="error", error=f"{type(e).__name__}: {e}")))
+
+    def _fail_over(self, c: Choice) -> bool:
+        """`c`'s replica failed it before any token and is now marked down (a remote worker
+        that died or cannot be reached): move `c` to a live replica.  False when the replica
+        still counts as up (the engine failed this request: that is the answer) or no other
+        replica is up."""
+        old = c.replica
+        if old.engine.ready:
+            return False
+        new = self.group.pick(c.request.prompt_token_ids, self.principal.tenant)
+        if new is old or not new.engine.ready:
+            return False
+        old.inflight -= 1
+        new.inflight += 1
+        new.routed += 1
+        c.replica = new
+        return True
 
     async def events(self) -> AsyncIterator[tuple[Choice, EngineEvent]]:
         """Merged events of all choices; ends when every choice has finished."""
