@@ -63,3 +63,9 @@ def test_chat_template_and_specials(tok: Tokenizer) -> None:
     assert ids[0] == tok.token_to_id("<|im_start|>") == 1
     assert tok.eos_ids == (2,)
     assert tok.decode(ids).count("<|im_start|>") == 0  # specials are skipped when decoding
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_spell_the_text(tok: Tokenizer, text: str) -> None:
+    """Each token's own bytes (a piece of a character included) concatenate to the UTF-8."""
+    assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == text.encode("utf-8")

@@ -95,6 +95,21 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (what OpenAI's logprob `bytes` carry): a
+        byte-level token holding part of a character gives those bytes, not U+FFFD."""
+        if self.kind == "sentencepiece":
+            piece = str(self._backend.id_to_piece(int(token_id)))
+        else:
+            piece = self._backend.id_to_token(int(token_id)) or ""
+        if int(token_id) in self.special_ids:
+            return piece.encode("utf-8")
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # sentencepiece byte fallback
+            return bytes([int(piece[3:5], 16)])
+        if self.kind == "bpe" and all(ch in BYTE_DECODER for ch in piece):
+            return bytes(BYTE_DECODER[ch] for ch in piece)
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
         if skip_special_tokens:
@@ -114,6 +129,22 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode(self.apply_chat_template(messages), add_special_tokens=True)
+
+
+def _make_byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level alphabet: printable character -> the byte it stands for."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + n)] = b
+            n += 1
+    return table
+
+
+BYTE_DECODER = _make_byte_decoder()  # a constant table
 
 
 def _render_chat(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,

@@ -146,9 +146,6 @@ def test_models_list(client):
     assert MODEL in ids and "smollm2@135m-instruct" in ids
 
 
-@pytest.mark.xfail(strict=True, reason="logprobs 'bytes' is the UTF-8 of the token's decoded "
-                   "text, U+FFFD for a byte-level token holding part of a character, not the "
-                   "token's own bytes (app.token_text decodes one id alone)")
 def test_logprob_bytes_spell_the_utf8_of_the_content(client):
     """OpenAI's `bytes` let a client rebuild characters split over several tokens."""
     r = client.chat.completions.create(

@@ -351,7 +351,8 @@ def create_app(state: ServingState) -> Quart:
             if parsed.kind == "chat":
                 choices.append({"index": c.index,
                                 "message": {"role": "assistant", "content": c.text},
-                                "logprobs": chat_logprobs(lps[c.index], tt)
+                                "logprobs": chat_logprobs(lps[c.index], tt,
+                                                          gen.group.tokenizer.token_bytes)
                                 if parsed.logprobs is not None else None,
                                 "finish_reason": c.finish_reason})
             else:
@@ -385,7 +386,8 @@ def create_app(state: ServingState) -> Quart:
         def piece(c: Choice, ev: EngineEvent) -> dict[str, Any]:
             lp = None
             if parsed.logprobs is not None:
-                lp = chat_logprobs(list(ev.logprobs), tt) if chat else \
+                lp = chat_logprobs(list(ev.logprobs), tt, gen.group.tokenizer.token_bytes) \
+                    if chat else \
                     completion_logprobs(list(ev.logprobs), tt, offsets[c.index])
             offsets[c.index] += len(ev.text)
             fr = ev.finish_reason if ev.finish_reason in ("stop", "length") else None

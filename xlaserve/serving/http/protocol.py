@@ -311,10 +311,14 @@ def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def chat_logprobs(entries: list[TokenLogprob], token_text: Any) -> dict[str, Any]:
+def chat_logprobs(entries: list[TokenLogprob], token_text: Any,
+                  token_bytes: Any = None) -> dict[str, Any]:
+    """`bytes` are the token's own bytes (token_bytes), so that a client can rebuild a
+    character split over several tokens; without token_bytes, the UTF-8 of its text."""
     def one(tid: int, lp: float) -> dict[str, Any]:
         t = token_text(tid)
-        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        raw = token_bytes(tid) if token_bytes is not None else t.encode("utf-8")
+        return {"token": t, "logprob": lp, "bytes": list(raw)}
 
     return {"content": [{**one(e.token_id, e.logprob),
                          "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
