@@ -38,6 +38,27 @@ def _online(args: argparse.Namespace) -> int:
     return online_main(endpoint, options, args.tokenizer, args.json, args.plot)
 
 
+def _layouts(args: argparse.Namespace) -> int:
+    from xlaserve.checkpoints.store import load_config
+    from xlaserve.sharding.memory import format_layout_report, layout_report
+    from xlaserve.sharding.mesh import MeshConfig
+
+    config = load_config(args.model)
+    rows, refused = [], []
+    for path in ["", *[p for p in args.meshes.split(",") if p]]:
+        mesh = MeshConfig.load(path) if path else MeshConfig()
+        try:
+            rows += layout_report(config, [mesh], args.num_blocks, args.block_size)
+        except ValueError as e:
+            refused.append(f"{path}: {e}")
+    print(f"{config.num_params / 1e6:.1f}M parameters ({config.dtype}), KV pool of "
+          f"{args.num_blocks} blocks x {args.block_size} tokens; bytes per device:")
+    print(format_layout_report(rows))
+    for line in refused:
+        print(f"refused {line}")
+    return 0
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from xlaserve.bench.workload import WORKLOADS
 
@@ -97,3 +118,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--width", type=int, default=16, help="block-table width of both buckets")
     s.add_argument("--json", help="write the rows as JSON")
     s.set_defaults(fn=_startup)
+
+    lay = bsub.add_parser("layouts", help="per-device parameter and KV bytes on mesh layouts")
+    lay.add_argument("--model", required=True, help="model folder (only its config is read)")
+    lay.add_argument("--meshes", default="configs/tp2.toml,configs/tp3.toml,configs/pp2.toml,"
+                     "configs/tp2_pp2.toml,configs/tp3_pp2.toml,configs/2x_tp2.toml",
+                     help="comma-separated mesh presets (one device is always listed first)")
+    lay.add_argument("--num-blocks", type=int, default=2048)
+    lay.add_argument("--block-size", type=int, default=16)
+    lay.set_defaults(fn=_layouts)
