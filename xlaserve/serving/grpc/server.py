@@ -176,6 +176,11 @@ def worker_main(argv: list[str] | None = None) -> int:
             raise ValueError(f"models[{m.id}] has no engine factory ('module:function')")
         built = _import(m.engine)(m)
         engine = await built if asyncio.iscoroutine(built) else built
+        if isinstance(engine, (list, tuple)):  # factories build one engine per mesh replica
+            if len(engine) != 1:
+                raise ValueError(f"models[{m.id}]: a worker serves one replica, the factory "
+                                 f"built {len(engine)} (engine_args.mesh.replicas)")
+            engine = engine[0]
         shutdown = asyncio.Event()
         import signal
 
