@@ -65,7 +65,7 @@ def test_shared_system_prompt_is_held_once_and_skips_prefill(engine, corpus_ids)
 def test_preemption_recomputes_and_matches(warm_engine, smollm2, corpus_ids) -> None:
     rng = np.random.default_rng(7)
     work = [(prompt(corpus_ids, rng, int(n)), int(m))
-            for n, m in zip(rng.integers(17, 32, 8), rng.integers(50, 80, 8))]
+            for n, m in zip(rng.integers(17, 32, 8), rng.integers(30, 50, 8))]
     free = new_engine(warm_engine, smollm2)
     for i, (ids, m) in enumerate(work):
         free.add(request(f"p{i}", ids, max_tokens=m, ignore_eos=True))
