@@ -27,7 +27,7 @@ from xlaserve.serving.types import EngineEvent, GenerationRequest
 
 class RemoteEngine:
     def __init__(self, target: str, model_name: str, tokenizer: Tokenizer,
-                 poll_interval: float = 0.5, connect_timeout: float = 10.0):
+                 poll_interval: float = 0.5, connect_timeout: float = 30.0):
         self.target = target
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -51,8 +51,10 @@ class RemoteEngine:
             return
         self._channel = grpc.aio.insecure_channel(self.target)
         self._stub = pb_grpc.GenerationStub(self._channel)
+        # wait_for_ready: a worker still starting up is waited for (up to connect_timeout)
+        # instead of failing the server's start on the first refused connection.
         models = await self._stub.ListModels(pb.ListModelsRequest(),
-                                             timeout=self.connect_timeout)
+                                             timeout=self.connect_timeout, wait_for_ready=True)
         info = [m for m in models.models if m.name == self.model_name]
         if not info:
             raise ValueError(f"{self.target} does not serve {self.model_name!r}; it serves "
