@@ -39,13 +39,12 @@ def hf_greedy(hf_smollm2, prompt_ids) -> list[list[int]]:
     return [_hf_greedy(hf_smollm2, ids, 64) for ids in prompt_ids]
 
 
-# Pallas runs in interpret mode on CPU (each kernel program as XLA ops): two prompts there.
-@pytest.mark.parametrize("backend, num_prompts", [("reference", 5), ("pallas", 2)])
-def test_greedy_continuations_match(smollm2, hf_smollm2, prompt_ids, hf_greedy, backend,
-                                    num_prompts) -> None:
+@pytest.mark.parametrize("backend", ["reference", "pallas"])  # pallas: interpret mode on CPU
+def test_greedy_continuations_match(smollm2, hf_smollm2, prompt_ids, hf_greedy,
+                                    backend) -> None:
     gen = SequenceGenerator(smollm2.params, smollm2.config, max_len=256,
                             attention_backend=backend)
-    for ids, ref in list(zip(prompt_ids, hf_greedy))[:num_prompts]:
+    for ids, ref in zip(prompt_ids, hf_greedy):
         ours = list(gen.generate(ids, SamplingOptions(max_tokens=64)))
         assert len(ours) == len(ref) == 64
         for i, (a, b) in enumerate(zip(ours, ref)):

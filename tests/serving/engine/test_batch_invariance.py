@@ -1,6 +1,7 @@
 """Continuous batching changes nothing: 48 staggered requests of mixed lengths produce, each,
 what the model computes for that request alone — checked by teacher forcing every output token
-against the logits of the whole sequence run alone, plus three true alone runs."""
+against the logits of the whole sequence run alone, plus three true alone runs — on the
+reference attention and on the Pallas kernels."""
 
 from __future__ import annotations
 
@@ -82,3 +83,21 @@ def test_outputs_equal_requests_run_alone(engine, warm_engine, smollm2, corpus_i
         ids, m = work[i]
         alone.add(request("alone", ids, max_tokens=m, ignore_eos=True))
         assert tokens_of(collect(alone)["alone"]) == tokens_of(outputs[f"r{i}"])
+
+
+def test_pallas_engine_outputs_equal_requests_run_alone(smollm2, corpus_ids) -> None:
+    """The same 48 staggered requests on the Pallas kernels (interpret mode on CPU), checked
+    against the reference attention's logits of each sequence run alone."""
+    import dataclasses
+
+    from tests.serving.engine.conftest import ENGINE_CONFIG
+    from xlaserve.serving.engine import LLMEngine
+
+    config = dataclasses.replace(ENGINE_CONFIG, attention_backend="pallas")
+    engine = LLMEngine(smollm2.params, smollm2.config, smollm2.tokenizer, smollm2.mesh, config)
+    engine.runner.warmup()
+    work = _workload(corpus_ids)
+    with CompileCounter() as compiles:
+        outputs = run_staggered(engine, work)
+    assert compiles.count == 0, f"{compiles.count} compilations after warm-up"
+    check_teacher_forced(smollm2, work, outputs)
