@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from xlaserve.kernels import flash
 from xlaserve.kernels.prefill_attention import prefill_attention_reference
 from xlaserve.kernels.validation import (check_block_tables, check_cache, check_int_vector,
-                                         check_lengths, next_pow2, round_up)
+                                         check_lengths, check_q_heads, next_pow2, round_up)
 
 # Programs to aim for when choosing the number of splits: a couple of waves on a 132-SM H200.
 TARGET_PROGRAMS = 264
@@ -156,14 +156,9 @@ def check_decode_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens) -> No
     check_cache(k_cache, v_cache, layer)
     if q.ndim != 3:
         raise ValueError(f"q must be [B, H, D], got shape {q.shape}")
-    b, h, d = q.shape
-    _, num_blocks, bs, kvh, dk = k_cache.shape
-    if dk != d:
-        raise ValueError(f"head_dim of q ({d}) != head_dim of the cache ({dk})")
-    if h % kvh:
-        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
-    if q.dtype != k_cache.dtype:
-        raise TypeError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    b = q.shape[0]
+    num_blocks, bs = k_cache.shape[1:3]
+    check_q_heads(q, k_cache)
     check_block_tables(block_tables, b, num_blocks)
     check_int_vector("kv_lens", kv_lens, b)
     check_lengths(kv_lens, block_tables.shape[1] * bs)

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 
 from xlaserve.kernels import flash
 from xlaserve.kernels.validation import (check_block_tables, check_cache, check_int_vector,
-                                         check_lengths, next_pow2, round_up)
+                                         check_lengths, check_q_heads, next_pow2, round_up)
 
 MASK_VALUE = -1e30
 
@@ -182,14 +182,9 @@ def check_prefill_inputs(q, k_cache, v_cache, layer, block_tables, q_lens, kv_le
     check_cache(k_cache, v_cache, layer)
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, D], got shape {q.shape}")
-    b, t, h, d = q.shape
-    _, num_blocks, bs, kvh, dk = k_cache.shape
-    if dk != d:
-        raise ValueError(f"head_dim of q ({d}) != head_dim of the cache ({dk})")
-    if h % kvh:
-        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
-    if q.dtype != k_cache.dtype:
-        raise TypeError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    b, t = q.shape[:2]
+    num_blocks, bs = k_cache.shape[1:3]
+    check_q_heads(q, k_cache)
     check_block_tables(block_tables, b, num_blocks)
     check_int_vector("q_lens", q_lens, b)
     check_int_vector("kv_lens", kv_lens, b)

@@ -41,6 +41,19 @@ def check_cache(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array) -> Non
             raise ValueError(f"layer={value} out of range [0, {num_layers})")
 
 
+def check_q_heads(q: jax.Array, k_cache: jax.Array) -> None:
+    """q: [..., H, D] against k_cache [L, N, bs, KVH, D]: same head_dim and dtype, and whole
+    query-head groups per KV head."""
+    h, d = q.shape[-2:]
+    kvh, dk = k_cache.shape[-2:]
+    if dk != d:
+        raise ValueError(f"head_dim of q ({d}) != head_dim of the cache ({dk})")
+    if h % kvh:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
+    if q.dtype != k_cache.dtype:
+        raise TypeError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+
+
 def check_int_vector(name: str, x: jax.Array, batch: int) -> None:
     if x.shape != (batch,):
         raise ValueError(f"{name} must have shape ({batch},) (one entry per row), got {x.shape}")
