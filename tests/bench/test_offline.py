@@ -86,3 +86,35 @@ def test_kv_waste_meter_is_time_weighted() -> None:
     m.finish(3.0)
     assert m.waste == pytest.approx(50 / (100 + 400))
     assert m.peak_allocated == 200
+
+
+def test_breakdown_accounts_for_every_token(tiny_llama, tmp_path, capsys) -> None:
+    """--breakdown reruns engine and static with each call timed per bucket; the real tokens
+    it counts are exactly the prompts' and the decode steps' (no call missed or counted twice)."""
+    _, ours = tiny_llama
+    out = tmp_path / "report.json"
+    rc = main(["bench", "offline", "--model", str(ours), "--workload", "tiny",
+               "--systems", "engine,static", "--batch", "2", "--breakdown",
+               "--json", str(out), "--copy-mib", "16", "--decode-steps", "3"])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "breakdown of engine" in stdout and "breakdown of static" in stdout
+    report = json.loads(out.read_text())
+    workload = get_workload("tiny").build(Tokenizer.load(ours), seed=0)
+    prompts = sum(len(r.prompt_token_ids) for r in workload.requests)
+    outputs = [r.num_output_tokens for r in workload.requests]
+
+    def tokens(system: str, decode: bool) -> int:
+        return sum(b["real_tokens"] for b in report["breakdown"][system]["buckets"]
+                   if (b["tokens"] == 1) == decode)
+
+    engine = next(s for s in report["systems"] if s["system"] == "engine")
+    assert tokens("engine", decode=False) == prompts - engine["prefix_hit_tokens"]
+    assert tokens("engine", decode=True) == sum(outputs) - len(outputs)
+    assert tokens("static", decode=False) == prompts
+    batches = [outputs[i:i + 2] for i in range(0, len(outputs), 2)]
+    assert tokens("static", decode=True) == sum(len(b) * (max(b) - 1) for b in batches)
+    for system, b in report["breakdown"].items():
+        assert b["seconds"] == pytest.approx(sum(p for p in b["phases"].values()))
+        assert all(r["real_tokens"] <= r["padded_tokens"] and r["calls"] > 0
+                   and r["ms_per_call"] > 0 for r in b["buckets"])

@@ -13,7 +13,7 @@ def _offline(args: argparse.Namespace) -> int:
                                               if s.strip()),
         batch=args.batch, seed=args.seed, num_requests=args.num_requests, gguf=args.gguf,
         hf_dir=args.hf_dir, decode_steps=args.decode_steps,
-        copy_bytes=args.copy_mib << 20)
+        copy_bytes=args.copy_mib << 20, breakdown=args.breakdown)
     return offline_main(args.model, options, args.json)
 
 
@@ -82,6 +82,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="batch-1 decode steps timed for the bandwidth comparison")
     o.add_argument("--copy-mib", type=int, default=512,
                    help="array size of the bandwidth probe, MiB")
+    o.add_argument("--breakdown", action="store_true",
+                   help="rerun engine and static timing every device call per bucket "
+                   "(calls waited for: not the headline numbers)")
     o.set_defaults(fn=_offline)
 
     n = bsub.add_parser("online", help="Poisson arrivals at one or more rates against an "

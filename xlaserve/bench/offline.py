@@ -7,6 +7,8 @@
     static  : static batches of B on the same runner           static_system.py
     hf      : transformers generate, batches of B, torch CPU   hf_system.py
     then    : decode step at batch 1 vs bandwidth floor        roofline.py
+              --breakdown: engine and static once more, every device call waited for and
+              timed per bucket (runner/call_profile.py; not the headline numbers)
               per-device parameter and KV bytes of the engine's layout
     -> table on stdout, everything (per-request tokens included) as JSON
 """
@@ -26,9 +28,10 @@ from xlaserve.bench.metrics import SystemResult
 from xlaserve.bench.report import format_table
 from xlaserve.bench.roofline import measure_roofline
 from xlaserve.bench.static_system import StaticBatcher
-from xlaserve.bench.workload import get_workload
+from xlaserve.bench.workload import Workload, get_workload
 from xlaserve.serving.engine import EngineConfig
 from xlaserve.serving.loading import LoadedModel, load_model
+from xlaserve.serving.runner.call_profile import CallProfile
 from xlaserve.serving.runner.runner import ModelRunner
 from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.memory import device_bytes
@@ -47,6 +50,7 @@ class OfflineOptions:
     hf_dir: str | None = None        # for hf, instead of gguf
     decode_steps: int = 20
     copy_bytes: int = 512 << 20      # bandwidth probe array size
+    breakdown: bool = False          # rerun engine/static with per-bucket call timing
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -98,6 +102,9 @@ def run_offline(model: LoadedModel, options: OfflineOptions,
     if "engine" in options.systems or "static" in options.systems:
         roofline = measure_roofline(runner, workload.requests[0].prompt_token_ids,
                                     options.decode_steps, options.copy_bytes)
+    breakdown = {}
+    if options.breakdown:
+        breakdown = _breakdown(model, config, runner, workload, options)
     memory = device_bytes(ShardLayout.create(model.config, model.mesh), config.num_kv_blocks,
                           config.block_size)
     return {
@@ -111,9 +118,31 @@ def run_offline(model: LoadedModel, options: OfflineOptions,
         "systems": [r.summary() for r in results],
         "agreement": _agreement(results),
         "decode_batch1": roofline.to_dict() if roofline else None,
+        "breakdown": {name: {"seconds": p.seconds, "phases": p.phase_seconds(),
+                             "buckets": p.rows()} for name, p in breakdown.items()},
         "memory": {**asdict(memory), "describe": memory.describe()},
         "requests": {r.system: r.per_request() for r in results},
     }
+
+
+def _breakdown(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
+               workload: Workload, options: OfflineOptions) -> dict[str, CallProfile]:
+    """Engine and static once more with every call timed by bucket (slower than the timed
+    runs: each call is waited for)."""
+    out: dict[str, CallProfile] = {}
+    for system in ("engine", "static"):
+        if system not in options.systems:
+            continue
+        runner.profile = profile = CallProfile()
+        try:
+            if system == "engine":
+                run_engine(model, config, runner, workload)
+            else:
+                StaticBatcher(runner, options.batch).run(workload)
+        finally:
+            runner.profile = None
+        out[system] = profile
+    return out
 
 
 def _pad_id(model: LoadedModel) -> int:
@@ -136,6 +165,13 @@ def describe(report: dict[str, Any]) -> str:
         d = {k: v for k, v in report["decode_batch1"].items() if k != "ratio"}
         lines.append(Roofline(**d).describe())
     lines.append(f"engine layout {report['memory']['describe']}")
+    for system, b in report.get("breakdown", {}).items():
+        from xlaserve.serving.runner.call_profile import BucketTime
+
+        profile = CallProfile({(r["rows"], r["tokens"], r["width"]): BucketTime(
+            r["calls"], r["seconds"], r["real_tokens"], r["padded_tokens"])
+            for r in b["buckets"]})
+        lines += ["", f"breakdown of {system} (every call waited for):", profile.format()]
     return "\n".join(lines)
 
 

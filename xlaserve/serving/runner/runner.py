@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import AttentionMetadata, KVCache, Params, forward
 from xlaserve.serving.runner.buckets import BucketPlan
+from xlaserve.serving.runner.call_profile import CallProfile
 from xlaserve.serving.runner.host_step import HostStep
 from xlaserve.serving.runner.sampling import SampleOutput, SamplingArrays, sample
 from xlaserve.serving.runner.step_channel import Op, StepChannel
@@ -163,6 +164,8 @@ class ModelRunner:
         self._compiled: dict[tuple[int, int, int], Any] = {}
         self._compiled_sample: dict[int, Any] = {}
         self.warmup_seconds = 0.0
+        # Set to a CallProfile to time every call per bucket (each call is then waited for).
+        self.profile: CallProfile | None = None
         self._fresh_state()
 
     @property
@@ -233,7 +236,13 @@ class ModelRunner:
         if self.channel is not None:
             self._require_leader("run")
             self.channel.send(Op.STEP, host)
-        return CallResult(len(rows), self._execute(host))
+        if self.profile is None:
+            return CallResult(len(rows), self._execute(host))
+        start = time.perf_counter()
+        out = self._execute(host)
+        jax.block_until_ready(out.tokens)      # serialises the pipeline: diagnostics only
+        self.profile.record(host.shape, time.perf_counter() - start, int(host.q_lens.sum()))
+        return CallResult(len(rows), out)
 
     def follow(self) -> int:
         """On a process other than 0 of a multi-host mesh: launch every call process 0 sends,

@@ -1,0 +1,79 @@
+"""Where a run's device time goes, bucket by bucket (a diagnostic; no jax here).
+
+A ModelRunner with a `CallProfile` attached waits for every call to finish and records it under
+its bucket (rows, tokens, width): calls, seconds, real tokens (the rows' `q_lens`) and padded
+tokens (rows x tokens of the bucket).  Waiting serialises the pipeline — host scheduling of step
+n+1 no longer overlaps step n — so a profiled run is slower than a timed one and is only for
+splitting time among buckets ("count before you optimise").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+Shape = tuple[int, int, int]   # (rows, tokens, width)
+
+
+@dataclass
+class BucketTime:
+    calls: int = 0
+    seconds: float = 0.0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+
+
+@dataclass
+class CallProfile:
+    buckets: dict[Shape, BucketTime] = field(default_factory=dict)
+
+    def record(self, shape: Shape, seconds: float, real_tokens: int) -> None:
+        rows, tokens, width = shape
+        if seconds < 0 or not 0 < real_tokens <= rows * tokens:
+            raise ValueError(f"call {shape}: seconds={seconds}, real_tokens={real_tokens} "
+                             f"(a call has 1..{rows * tokens} real tokens)")
+        b = self.buckets.setdefault(shape, BucketTime())
+        b.calls += 1
+        b.seconds += seconds
+        b.real_tokens += real_tokens
+        b.padded_tokens += rows * tokens
+
+    @property
+    def seconds(self) -> float:
+        return sum(b.seconds for b in self.buckets.values())
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds in decode calls (1 token a row) and in prefill calls."""
+        out = {"decode": 0.0, "prefill": 0.0}
+        for (_, tokens, _), b in self.buckets.items():
+            out["decode" if tokens == 1 else "prefill"] += b.seconds
+        return out
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per bucket, the costliest first."""
+        out = []
+        for (r, t, w), b in sorted(self.buckets.items(), key=lambda kv: -kv[1].seconds):
+            out.append({"rows": r, "tokens": t, "width": w, "calls": b.calls,
+                        "seconds": b.seconds, "ms_per_call": 1e3 * b.seconds / b.calls,
+                        "real_tokens": b.real_tokens, "padded_tokens": b.padded_tokens})
+        return out
+
+    def format(self, top: int = 12) -> str:
+        rows = self.rows()
+        total = self.seconds or 1.0
+        phases = self.phase_seconds()
+        lines = [f"device calls: {total:.1f} s in all — decode {phases['decode']:.1f} s, "
+                 f"prefill {phases['prefill']:.1f} s",
+                 "| bucket (rows, tokens, width) | calls | s | share | ms/call | real / padded "
+                 "tokens |",
+                 "|---|---|---|---|---|---|"]
+        for row in rows[:top]:
+            lines.append(f"| ({row['rows']}, {row['tokens']}, {row['width']}) | {row['calls']} "
+                         f"| {row['seconds']:.2f} | {row['seconds'] / total:.0%} "
+                         f"| {row['ms_per_call']:.1f} | {row['real_tokens']} / "
+                         f"{row['padded_tokens']} |")
+        if len(rows) > top:
+            rest = rows[top:]
+            lines.append(f"| {len(rest)} more buckets | {sum(r['calls'] for r in rest)} | "
+                         f"{sum(r['seconds'] for r in rest):.2f} | | | |")
+        return "\n".join(lines)
