@@ -28,7 +28,7 @@ class CallProfile:
     buckets: dict[Shape, BucketTime] = field(default_factory=dict)
 
     def record(self, shape: Shape, seconds: float, real_tokens: int) -> None:
-        rows, tokens, width = shape
+        rows, tokens, _ = shape
         if seconds < 0 or not 0 < real_tokens <= rows * tokens:
             raise ValueError(f"call {shape}: seconds={seconds}, real_tokens={real_tokens} "
                              f"(a call has 1..{rows * tokens} real tokens)")
@@ -62,11 +62,10 @@ class CallProfile:
         rows = self.rows()
         total = self.seconds or 1.0
         phases = self.phase_seconds()
-        lines = [f"device calls: {total:.1f} s in all — decode {phases['decode']:.1f} s, "
-                 f"prefill {phases['prefill']:.1f} s",
-                 "| bucket (rows, tokens, width) | calls | s | share | ms/call | real / padded "
-                 "tokens |",
-                 "|---|---|---|---|---|---|"]
+        title = (f"device calls: {total:.1f} s in all — decode {phases['decode']:.1f} s, "
+                 f"prefill {phases['prefill']:.1f} s")
+        head = "| bucket (rows, tokens, width) | calls | s | share | ms/call | real / padded tokens |"
+        lines = [title, head, "|---|---|---|---|---|---|"]
         for row in rows[:top]:
             lines.append(f"| ({row['rows']}, {row['tokens']}, {row['width']}) | {row['calls']} "
                          f"| {row['seconds']:.2f} | {row['seconds'] / total:.0%} "
