@@ -1,7 +1,7 @@
 """Server configuration: small frozen dataclasses, validated on construction, loaded from a TOML
 or JSON file (presets in `configs/`).  Defaults live here; a file names only what it changes.
 
-    [server]            host, port, tls_cert, tls_key, max_body_bytes, max_n
+    [server]            host, port, tls_cert, tls_key, max_body_bytes, max_n, drain_timeout_s
     [auth]              mode = "none" | "hs256" | "rs256", secret / secret_env / public_key_file,
                         audience, issuer
     [limits.<tier>]     requests_per_minute, tokens_per_minute, tokens_per_day  (0 = unlimited)
@@ -178,6 +178,7 @@ class ServerConfig:
     tls_key: str = ""
     max_body_bytes: int = 1 << 20
     max_n: int = 8                # most choices (n * prompts) one request may ask for
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long running requests may still finish
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: Mapping[str, TierLimits] = field(default_factory=dict)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -198,6 +199,9 @@ class ServerConfig:
         if self.max_body_bytes < 1024 or self.max_n < 1:
             raise ValueError(f"server.max_body_bytes={self.max_body_bytes} must be >= 1024, "
                              f"max_n={self.max_n} >= 1")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ValueError(f"server.drain_timeout_s={self.drain_timeout_s}: must be in "
+                             "0..3600 seconds")
         for t in self.limits:
             parse_tier(t)
         ids = [m.id for m in self.models]

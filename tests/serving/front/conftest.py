@@ -20,7 +20,7 @@ from tests.serving.front.fake_engine import FakeEngine
 from hypercorn.asyncio import serve
 
 from xlaserve.serving.http.app import create_app
-from xlaserve.serving.http.server import build_state, hypercorn_config
+from xlaserve.serving.http.server import build_state, drain_trigger, hypercorn_config
 from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.server_config import ServedModel, ServerConfig
 from xlaserve.serving.tokenizer import Tokenizer
@@ -55,7 +55,7 @@ class LiveServer:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             await serve(create_app(self.state), hypercorn_config(self.state.config, self.port),
-                        shutdown_trigger=self._stop.wait)
+                        shutdown_trigger=drain_trigger(self.state, self._stop))
         asyncio.run(main())
 
     def start(self) -> LiveServer:
@@ -72,10 +72,14 @@ class LiveServer:
                 time.sleep(0.05)
         raise RuntimeError("server did not start")
 
-    def stop(self) -> None:
-        if self._loop and self._stop:
+    def begin_stop(self) -> None:
+        """What SIGTERM does: start the drain; `stop()` then waits for the server to end."""
+        if self._loop and self._stop and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
+
+    def stop(self) -> None:
+        self.begin_stop()
+        self._thread.join(10 + self.state.config.drain_timeout_s)
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:

@@ -1,11 +1,12 @@
 """`serve_main` and `worker_main` as real processes: a worker serving a fake engine over gRPC,
 and a front end whose config routes the model to it, driven by the openai client, then shut
-down by SIGTERM."""
+down by SIGTERM while a stream runs (it ends with an explicit error event)."""
 
 from __future__ import annotations
 
 from tests.conftest import MODEL_DIR
 
+import json
 import os
 import signal
 import subprocess
@@ -43,6 +44,7 @@ engine_args = {{ token_delay = 0.01 }}
     (tmp_path / "serve.toml").write_text(f"""
 [server]
 port = {hport}
+drain_timeout_s = 0.5
 [[models]]
 name = "fake"
 path = "{model_dir}"
@@ -79,6 +81,20 @@ replicas = ["grpc://127.0.0.1:{wport}"]
         bad = httpx.post(url + "/v1/completions", json={"model": "fake"},
                          headers={"x-request-id": "bad-1"})
         assert bad.status_code == 400 and bad.headers["x-request-id"] == "bad-1"
+        # SIGTERM while a ~4 s stream runs: after the 0.5 s drain the stream ends with an
+        # explicit error event (not a cut connection) and the server exits 0.
+        events: list[str] = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=30, json={
+                "model": "fake", "prompt": "over the wire", "max_tokens": 400,
+                "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        server.send_signal(signal.SIGTERM)
+        assert events[-1] == "[DONE]" and len(events) < 400, events[-3:]
+        assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+        assert server.wait(15) == 0
     finally:
         for p in (server, worker):
             if p is not None and p.poll() is None:

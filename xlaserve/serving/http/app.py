@@ -145,6 +145,9 @@ def create_app(state: ServingState) -> Quart:
     @app.get("/v1/models")
     async def models() -> Response:
         try:
+            if state.draining:
+                raise ApiError(503, "server shutting down", None, "server_shutting_down",
+                               {"Retry-After": "5"})
             principal = authenticate()
         except ApiError as e:
             return error_response(e)
@@ -179,6 +182,9 @@ def create_app(state: ServingState) -> Quart:
         principal: Principal | None = None
         model: str | None = None
         try:
+            if state.draining:
+                raise ApiError(503, "server shutting down", None, "server_shutting_down",
+                               {"Retry-After": "5"})
             principal = authenticate()
             try:
                 g.extra_headers.update(state.limiter.check(principal.tenant, principal.tier))
@@ -322,6 +328,10 @@ def create_app(state: ServingState) -> Quart:
     def settle_status(gen: Generation) -> ApiError | None:
         """An engine failure or an abort we did not ask for becomes a 5xx (not the client's
         fault); finished choices are fine."""
+        if gen.stopped is not None and any(c.finish_reason == "abort" for c in gen.choices):
+            gen.status = 503
+            return ApiError(503, gen.stopped, None, "server_shutting_down",
+                            {"Retry-After": "5"})
         for c in gen.choices:
             if c.finish_reason == "error":
                 gen.status = 500

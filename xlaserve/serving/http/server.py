@@ -12,9 +12,13 @@ the same `xlaserve serve` command as one jax job whose mesh spans them:
     initialize(), build the engine              initialize(), build the same engine
     HTTP front + scheduler; each step is        no HTTP: warm up the same buckets, then
       broadcast to the followers ─────────────>   AsyncEngine.follow() until process 0 closes
-    SIGTERM: stop serving, release followers      -> exit 0
+    SIGTERM: drain (see below), release followers -> exit 0
     a failed step (peer died): every request   process 0 died: the next collective raises
       gets an error, serving stops, exit 1        -> log, exit 1
+
+SIGINT/SIGTERM drain before hypercorn closes (`drain_trigger`): /ready and new requests answer
+503 with Retry-After, running requests get `server.drain_timeout_s` (default 30 s) to finish,
+and any still running then end with an explicit "server shutting down" error.
 
 A peer that dies while process 0 is idle fails no collective; jax's coordination service
 notices its missing heartbeat after `heartbeat_timeout_s` and aborts the survivors (their log
@@ -33,7 +37,7 @@ import logging
 import signal
 import sys
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +134,18 @@ def multihost_engine(engines: Mapping[str, Sequence[AsyncEngine]]) -> Any:
     return local[0]
 
 
+def drain_trigger(state: ServingState, shutdown: asyncio.Event) -> Callable[[], Awaitable[None]]:
+    """hypercorn's shutdown trigger: once `shutdown` is set, drain the serving state (running
+    requests finish or end with an explicit error) before hypercorn closes the connections."""
+    async def trigger() -> None:
+        await shutdown.wait()
+        stopped = await state.drain(state.config.drain_timeout_s)
+        if stopped:
+            log.warning("shutdown: stopped %d request(s) still running after %g s",
+                        stopped, state.config.drain_timeout_s)
+    return trigger
+
+
 async def serve_async(config: ServerConfig, shutdown: asyncio.Event | None = None) -> None:
     """Serve until `shutdown` is set (or SIGINT/SIGTERM).  Raises PeerFailure when an engine
     on a multi-host mesh failed for good (after answering its requests and stopping)."""
@@ -156,7 +172,7 @@ async def serve_async(config: ServerConfig, shutdown: asyncio.Event | None = Non
         watchers.append(asyncio.ensure_future(stop_on_failure(multihost_engine(engines))))
     try:
         await serve(create_app(state), hypercorn_config(config),  # type: ignore[arg-type]
-                    shutdown_trigger=shutdown.wait)
+                    shutdown_trigger=drain_trigger(state, shutdown))
     finally:
         for w in watchers:
             w.cancel()

@@ -8,6 +8,11 @@ engine requests with the bookkeeping that must happen however it ends.
     Generation.events() -> (choice index, EngineEvent) as they come, each stream ending once
     Generation.close()  -> abort unfinished engine requests, release the admission slot,
                            charge tokens, observe metrics, write the audit line   (exactly once)
+
+Shutdown (`ServingState.drain`): stop admitting (new requests and /ready answer 503), let the
+running generations finish for up to `server.drain_timeout_s`, then stop the rest through their
+engines; each of those ends with an explicit "server shutting down" error (a 503 body, or an
+SSE error event before [DONE]) instead of a cut connection.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class ServingState:
             if config.audit.path else None
         self.metrics = Metrics(self._engine_sources)
         self.engine_ids: set[str] = set()          # engine request ids in flight
+        self.generations: set[Generation] = set()  # not closed yet
+        self.draining = False
         self._background: set[asyncio.Task[Any]] = set()
 
     def _engine_sources(self) -> list[EngineSource]:
@@ -48,7 +55,24 @@ class ServingState:
 
     @property
     def ready(self) -> bool:
-        return bool(self.router.groups) and all(g.ready for g in self.router.groups)
+        return (not self.draining and bool(self.router.groups)
+                and all(g.ready for g in self.router.groups))
+
+    async def drain(self, timeout_s: float, settle_s: float = 5.0) -> int:
+        """Stop admitting; wait up to `timeout_s` for the running generations, then stop the
+        rest (their responses end with a "server shutting down" error) and wait up to
+        `settle_s` for them to close.  Returns how many had to be stopped."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.generations and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stopped = list(self.generations)
+        for gen in stopped:
+            await gen.stop("server shutting down")
+        deadline = time.monotonic() + settle_s
+        while self.generations and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return len(stopped)
 
     def update_admission_gauges(self) -> None:
         for g in self.router.groups:
@@ -99,6 +123,7 @@ class Generation:
         self.audit_extra = audit_extra
         self.status = 200
         self.closed = False
+        self.stopped: str | None = None   # why the server stopped it (shutdown), if it did
         self.choices: list[Choice] = []
         fan = len(prompts) * n
         for p, ids in enumerate(prompts):
@@ -117,6 +142,15 @@ class Generation:
                 self.choices.append(Choice(i, p, req, replica))
         self._queue: asyncio.Queue[tuple[int, EngineEvent]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        state.generations.add(self)
+
+    async def stop(self, reason: str) -> None:
+        """Abort the unfinished choices through their engines; the response in progress sees
+        their "abort" ends and reports `reason` (settled as a 503)."""
+        self.stopped = reason
+        await asyncio.gather(*(c.replica.engine.abort(c.request.request_id)
+                               for c in self.choices if c.finish_reason is None),
+                             return_exceptions=True)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -229,6 +263,7 @@ class Generation:
             st.metrics.requests.labels(self.group.id, c.finish_reason or "abort").inc()
         self.group.admission.release(self.ticket)
         st.update_admission_gauges()
+        st.generations.discard(self)
         u = self.usage()
         now = time.monotonic()
         st.metrics.e2e.labels(self.group.id).observe(now - self.arrived)
