@@ -31,7 +31,7 @@ from xlaserve.bench.static_system import StaticBatcher
 from xlaserve.bench.workload import Workload, get_workload
 from xlaserve.serving.engine import EngineConfig
 from xlaserve.serving.loading import LoadedModel, load_model
-from xlaserve.serving.runner.call_profile import CallProfile
+from xlaserve.serving.runner.call_profile import CallProfile, format_rows
 from xlaserve.serving.runner.runner import ModelRunner
 from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.memory import device_bytes
@@ -166,12 +166,8 @@ def describe(report: dict[str, Any]) -> str:
         lines.append(Roofline(**d).describe())
     lines.append(f"engine layout {report['memory']['describe']}")
     for system, b in report.get("breakdown", {}).items():
-        from xlaserve.serving.runner.call_profile import BucketTime
-
-        profile = CallProfile({(r["rows"], r["tokens"], r["width"]): BucketTime(
-            r["calls"], r["seconds"], r["real_tokens"], r["padded_tokens"])
-            for r in b["buckets"]})
-        lines += ["", f"breakdown of {system} (every call waited for):", profile.format()]
+        lines += ["", f"breakdown of {system} (every call waited for):",
+                  format_rows(b["buckets"])]
     return "\n".join(lines)
 
 

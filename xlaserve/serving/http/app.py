@@ -97,6 +97,10 @@ def create_app(state: ServingState) -> Quart:
                                   str(response.status_code)).inc()
         return response
 
+    def shutting_down(message: str) -> ApiError:
+        """What a request refused or stopped by the shutdown drain answers."""
+        return ApiError(503, message, None, "server_shutting_down", {"Retry-After": "5"})
+
     def error_response(e: ApiError) -> Response:
         return _json(e.body(), e.status, e.headers)
 
@@ -146,8 +150,7 @@ def create_app(state: ServingState) -> Quart:
     async def models() -> Response:
         try:
             if state.draining:
-                raise ApiError(503, "server shutting down", None, "server_shutting_down",
-                               {"Retry-After": "5"})
+                raise shutting_down("server shutting down")
             principal = authenticate()
         except ApiError as e:
             return error_response(e)
@@ -183,8 +186,7 @@ def create_app(state: ServingState) -> Quart:
         model: str | None = None
         try:
             if state.draining:
-                raise ApiError(503, "server shutting down", None, "server_shutting_down",
-                               {"Retry-After": "5"})
+                raise shutting_down("server shutting down")
             principal = authenticate()
             try:
                 g.extra_headers.update(state.limiter.check(principal.tenant, principal.tier))
@@ -330,8 +332,7 @@ def create_app(state: ServingState) -> Quart:
         fault); finished choices are fine."""
         if gen.stopped is not None and any(c.finish_reason == "abort" for c in gen.choices):
             gen.status = 503
-            return ApiError(503, gen.stopped, None, "server_shutting_down",
-                            {"Retry-After": "5"})
+            return shutting_down(gen.stopped)
         for c in gen.choices:
             if c.finish_reason == "error":
                 gen.status = 500

@@ -59,20 +59,25 @@ class CallProfile:
         return out
 
     def format(self, top: int = 12) -> str:
-        rows = self.rows()
-        total = self.seconds or 1.0
-        phases = self.phase_seconds()
-        title = (f"device calls: {total:.1f} s in all — decode {phases['decode']:.1f} s, "
-                 f"prefill {phases['prefill']:.1f} s")
-        head = "| bucket (rows, tokens, width) | calls | s | share | ms/call | real / padded tokens |"
-        lines = [title, head, "|---|---|---|---|---|---|"]
-        for row in rows[:top]:
-            lines.append(f"| ({row['rows']}, {row['tokens']}, {row['width']}) | {row['calls']} "
-                         f"| {row['seconds']:.2f} | {row['seconds'] / total:.0%} "
-                         f"| {row['ms_per_call']:.1f} | {row['real_tokens']} / "
-                         f"{row['padded_tokens']} |")
-        if len(rows) > top:
-            rest = rows[top:]
-            lines.append(f"| {len(rest)} more buckets | {sum(r['calls'] for r in rest)} | "
-                         f"{sum(r['seconds'] for r in rest):.2f} | | | |")
-        return "\n".join(lines)
+        return format_rows(self.rows(), top)
+
+
+def format_rows(rows: list[dict[str, Any]], top: int = 12) -> str:
+    """A Markdown table of `CallProfile.rows()` (as stored in a report), the first `top` rows
+    and a line summing the rest, under a line of decode / prefill totals."""
+    total = sum(r["seconds"] for r in rows) or 1.0
+    decode = sum(r["seconds"] for r in rows if r["tokens"] == 1)
+    title = (f"device calls: {total:.1f} s in all — decode {decode:.1f} s, "
+             f"prefill {total - decode:.1f} s")
+    head = "| bucket (rows, tokens, width) | calls | s | share | ms/call | real / padded tokens |"
+    lines = [title, head, "|---|---|---|---|---|---|"]
+    for row in rows[:top]:
+        lines.append(f"| ({row['rows']}, {row['tokens']}, {row['width']}) | {row['calls']} "
+                     f"| {row['seconds']:.2f} | {row['seconds'] / total:.0%} "
+                     f"| {row['ms_per_call']:.1f} | {row['real_tokens']} / "
+                     f"{row['padded_tokens']} |")
+    if len(rows) > top:
+        rest = rows[top:]
+        lines.append(f"| {len(rest)} more buckets | {sum(r['calls'] for r in rest)} | "
+                     f"{sum(r['seconds'] for r in rest):.2f} | | | |")
+    return "\n".join(lines)
