@@ -23,7 +23,7 @@ def _bar(desc: str, quiet: bool):
 
 def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
                  quiet: bool = False) -> ModelConfig:
-    from xlaserve.serving.tokenizer import tokenizer_from_gguf
+    from xlaserve.checkpoints.gguf_tokenizer import tokenizer_from_gguf
 
     check_output(out, overwrite)
     model = read_gguf(src)

@@ -3,7 +3,8 @@ models (`tokenizer.model`), with the model's own chat template and an incrementa
 
 A checkpoint folder holds one of `tokenizer.json` / `tokenizer.model` plus
 `tokenizer_config.json` ({chat_template, bos_token, eos_token, add_bos_token, ...}).  GGUF
-vocabularies are turned into a `tokenizer.json` at conversion time (`tokenizer_from_gguf`).
+vocabularies are turned into one of those at conversion time
+(`checkpoints/gguf_tokenizer.py`).
 """
 
 from __future__ import annotations
@@ -199,60 +200,6 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             return delta
         return ""
-
-
-# -- GGUF vocabularies -> tokenizer.json -------------------------------------------------------
-
-# llama.cpp pre-tokenizer names whose regex splits digits one by one before the GPT-2 split.
-_DIGIT_SPLIT_PRE = {"smollm", "llama3", "llama-bpe", "deepseek-llm", "deepseek-coder", "qwen2",
-                    "olmo", "dbrx"}
-
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
-
-
-def tokenizer_from_gguf(fields: dict[str, Any], folder: Path) -> None:
-    """Write `tokenizer.json` + `tokenizer_config.json` into `folder` from GGUF tokenizer fields."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
-    kind = fields.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (supported: gpt2 "
-                         "byte-level BPE); convert the HF checkpoint instead")
-    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
-    types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if fields.get("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    special = [t for t, ty in zip(tokens, types) if ty in (TOKEN_TYPE_CONTROL,
-                                                             TOKEN_TYPE_USER_DEFINED)]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok.save(str(folder / "tokenizer.json"))
-
-    def token(key: str) -> str | None:
-        i = fields.get(key)
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
-
-    eos_ids = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-               if fields.get(k) is not None]
-    config = {
-        "chat_template": fields.get("tokenizer.chat_template"),
-        "bos_token": token("tokenizer.ggml.bos_token_id"),
-        "eos_token": token("tokenizer.ggml.eos_token_id"),
-        "eos_token_ids": sorted(set(int(i) for i in eos_ids)),
-        "add_bos_token": bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-        "special_ids": [vocab[t] for t in special],
-        "special_tokens": special,
-    }
-    (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
 def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> None:

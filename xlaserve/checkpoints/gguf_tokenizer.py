@@ -1,0 +1,148 @@
+"""A GGUF file's vocabulary -> the tokenizer files of an xlaserve model folder.
+
+    tokenizer.ggml.model == "gpt2"   byte-level BPE (Llama 3, SmolLM2, Qwen, ...) -> tokenizer.json
+    tokenizer.ggml.model == "llama"  sentencepiece BPE (Llama 1/2, Mistral, TinyLlama, ...)
+                                     -> tokenizer.model, rebuilt from the pieces, scores and types
+
+Either way `tokenizer_config.json` gets the ids, the special tokens and the chat template, and
+`serving/tokenizer.py` loads the folder like one converted from Hugging Face.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from xlaserve.serving.tokenizer import TOKENIZER_CONFIG
+
+# llama.cpp pre-tokenizer names whose regex splits digits one by one before the GPT-2 split.
+_DIGIT_SPLIT_PRE = {"smollm", "llama3", "llama-bpe", "deepseek-llm", "deepseek-coder", "qwen2",
+                    "olmo", "dbrx"}
+
+# tokenizer.ggml.token_type values; llama.cpp took them from sentencepiece's piece types.
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
+TOKEN_TYPE_BYTE = 6
+_SPECIAL_TYPES = (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
+
+SUPPORTED_MODELS = ("gpt2", "llama")
+
+
+def tokenizer_from_gguf(fields: dict[str, Any], folder: Path) -> None:
+    """Write the tokenizer files into `folder` from a GGUF file's `tokenizer.*` fields."""
+    kind = fields.get("tokenizer.ggml.model")
+    if kind not in SUPPORTED_MODELS:
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: "
+                         f"{', '.join(SUPPORTED_MODELS)}); convert the HF checkpoint instead")
+    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+    types = [int(t) for t in fields.get("tokenizer.ggml.token_type") or
+             [TOKEN_TYPE_NORMAL] * len(tokens)]
+    if len(types) != len(tokens):
+        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for "
+                         f"{len(tokens)} tokens")
+    special = [t for t, ty in zip(tokens, types) if ty in _SPECIAL_TYPES]
+    if kind == "gpt2":
+        _write_byte_level_bpe(fields, tokens, special, folder)
+        add_bos_default = False
+    else:
+        _write_sentencepiece(fields, tokens, types, folder)
+        add_bos_default = True  # llama.cpp's default for sentencepiece vocabularies
+
+    def token(key: str) -> str | None:
+        i = fields.get(key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    eos_ids = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+               if fields.get(k) is not None]
+    index = {t: i for i, t in enumerate(tokens)}
+    config = {
+        "chat_template": fields.get("tokenizer.chat_template"),
+        "bos_token": token("tokenizer.ggml.bos_token_id"),
+        "eos_token": token("tokenizer.ggml.eos_token_id"),
+        "eos_token_ids": sorted({int(i) for i in eos_ids}),
+        "add_bos_token": bool(fields.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        "special_ids": [index[t] for t in special],
+        "special_tokens": special,
+    }
+    (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
+def _write_byte_level_bpe(fields: dict[str, Any], tokens: list[str], special: list[str],
+                          folder: Path) -> None:
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if fields.get("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def _write_sentencepiece(fields: dict[str, Any], tokens: list[str], types: list[int],
+                         folder: Path) -> None:
+    """A sentencepiece BPE model with the GGUF's pieces, scores and types, in id order.
+
+    Sentencepiece's BPE merges the adjacent pair whose merged piece scores highest, which is
+    what llama.cpp's tokenizer does with these same scores; the normalizer is Llama's: no
+    Unicode normalization, spaces as U+2581, a dummy prefix space unless the GGUF says not."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    scores = [float(s) for s in fields.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
+    if len(scores) != len(tokens):
+        raise ValueError(f"tokenizer.ggml.scores has {len(scores)} entries for "
+                         f"{len(tokens)} tokens")
+    seen: set[str] = set()
+    for i, t in enumerate(tokens):
+        if t in seen:
+            raise ValueError(f"tokenizer.ggml.tokens repeats the piece {t!r} (id {i})")
+        seen.add(t)
+    unk = fields.get("tokenizer.ggml.unknown_token_id")
+    if TOKEN_TYPE_UNKNOWN not in types:
+        if unk is None or not 0 <= int(unk) < len(tokens):
+            raise ValueError("a sentencepiece vocabulary needs an unknown token: no piece has "
+                             "token_type 2 and tokenizer.ggml.unknown_token_id is "
+                             f"{unk!r}")
+        types = list(types)
+        types[int(unk)] = TOKEN_TYPE_UNKNOWN
+
+    model = pb.ModelProto()
+    for piece, score, ty in zip(tokens, scores, types):
+        p = model.pieces.add()
+        p.piece, p.score = piece, score
+        p.type = ty if TOKEN_TYPE_NORMAL <= ty <= TOKEN_TYPE_BYTE else TOKEN_TYPE_NORMAL
+    spec = model.trainer_spec
+    spec.model_type = pb.TrainerSpec.BPE
+    spec.vocab_size = len(tokens)
+    spec.byte_fallback = TOKEN_TYPE_BYTE in types
+    spec.unk_id = types.index(TOKEN_TYPE_UNKNOWN)
+    for name in ("bos", "eos", "pad"):
+        i = fields.get(f"tokenizer.ggml.{'padding' if name == 'pad' else name}_token_id")
+        setattr(spec, f"{name}_id", int(i) if i is not None and 0 <= int(i) < len(tokens)
+                else -1)
+    norm = model.normalizer_spec
+    norm.name = "identity"
+    norm.add_dummy_prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    norm.remove_extra_whitespaces = False
+    norm.escape_whitespaces = True
+    path = folder / "tokenizer.model"
+    path.write_bytes(model.SerializeToString())
+
+    import sentencepiece as spm
+
+    try:  # fail at conversion, naming the file, rather than when the server starts
+        spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError) as e:
+        raise ValueError(f"the sentencepiece model rebuilt from the GGUF vocabulary does not "
+                         f"load: {e}") from e
