@@ -128,11 +128,17 @@ def test_abort_in_every_phase_frees_all_blocks(engine, corpus_ids) -> None:
 def test_n_completions_share_the_prompt_blocks(engine, corpus_ids) -> None:
     rng = np.random.default_rng(5)
     ids = prompt(corpus_ids, rng, 200)
-    engine.add(request("first", ids, max_tokens=2, temperature=0.9, seed=1))
-    list(engine.run_until_done())
-    for k in range(3):
-        engine.add(request(f"n{k}", ids, max_tokens=4, temperature=0.9, seed=10 + k))
-    out = collect(engine)
-    cached = [evs[-1].usage.cached_tokens for evs in out.values()]
-    assert cached == [192, 192, 192]  # 12 full blocks of 16 reused, the last token recomputed
+    for k in range(3):  # as the HTTP layer adds the n choices: together, before any step
+        engine.add(request(f"n{k}", ids, max_tokens=6, temperature=1.5, seed=10 + k))
+    kv = engine.scheduler.kv_cache
+    peak = 0
+    out: dict = {}
+    while engine.has_work():
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).append(ev)
+        peak = max(peak, kv.usage().num_used_blocks)
+    cached = [out[f"n{k}"][-1].usage.cached_tokens for k in range(3)]
+    assert cached == [0, 192, 192]  # n0 computes the 12 full blocks, n1 and n2 reuse them
+    assert peak == 13 + 2 * 1       # the prompt held once, plus one tail block per sibling
     assert len({text_of(evs) for evs in out.values()}) > 1
+    engine.scheduler.check_integrity()

@@ -25,8 +25,11 @@ def test_null_block_never_handed_out(pool: BlockPool) -> None:
     assert NULL_BLOCK not in pool.free_order()
     with pytest.raises(ValueError, match="cannot allocate 1 blocks: 0 free \\+ 0 cached free"):
         pool.allocate(1)
-    with pytest.raises(ValueError, match="block 0 is not in use"):
-        pool.free([NULL_BLOCK])
+    for bad in (NULL_BLOCK, -1, 6):  # -1 would index the last block
+        with pytest.raises(ValueError, match=f"block id {bad} is out of range 1..5"):
+            pool.free([bad])
+        with pytest.raises(ValueError, match=f"block id {bad} is out of range 1..5"):
+            pool.share(bad)
     pool.free([1, 2, 3, 4, 5])
 
 

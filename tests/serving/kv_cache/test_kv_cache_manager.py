@@ -165,3 +165,42 @@ def test_boundary_errors(kv: KVCacheManager) -> None:
     with pytest.raises(ValueError, match="unknown request 'y'"):
         kv.block_table("y")
     kv.free("x")
+
+
+def test_stale_prefix_is_refused_without_changes(kv: KVCacheManager) -> None:
+    admit(kv, "a", list(range(9)))                    # blocks 1, 2 hashed, 3 holds token 8
+    kv.free("a")
+    prefix = kv.find_cached_prefix(list(range(9)), "")
+    assert prefix.block_ids == (1, 2) and prefix.miss_hash is None
+    admit(kv, "b", [50] * 28)         # 7 blocks: the 6 uncached free ones, then evicts 2
+    assert kv.pool.hash_of(2) != prefix.block_hashes[1]
+    before = (kv.usage(), kv.pool.ref_count(1), kv.pool.eviction_order())
+    with pytest.raises(ValueError, match=r"'c': the cached prefix is stale \(blocks \[2\]"):
+        kv.allocate_slots("c", 1, prefix)
+    assert "c" not in kv
+    assert (kv.usage(), kv.pool.ref_count(1), kv.pool.eviction_order()) == before
+    kv.free("b")
+
+
+def test_miss_hash_and_unregistered_hashes(kv: KVCacheManager) -> None:
+    tokens = list(range(13))                          # 3 full blocks; a hit may cover all 3
+    hashes = kv.find_cached_prefix(tokens, "").block_hashes
+    assert hashes == ()
+    assert kv.allocate_slots("a", 13, CachedPrefix(""))
+    pending = kv.unregistered_block_hashes("a", tokens)
+    assert len(pending) == 3
+    assert kv.find_cached_prefix(tokens, "").miss_hash == pending[0]
+    kv.cache_blocks("a", tokens, 8)                   # blocks 0 and 1 registered
+    assert kv.unregistered_block_hashes("a", tokens) == pending[2:]
+    assert kv.find_cached_prefix(tokens, "").miss_hash == pending[2]
+    kv.cache_blocks("a", tokens, 12)
+    assert kv.find_cached_prefix(tokens, "").miss_hash is None
+    assert kv.find_cached_prefix(tokens, "other tenant").miss_hash not in pending
+    kv.free("a")
+
+
+def test_unknown_request_errors_name_it(kv: KVCacheManager) -> None:
+    for call in (lambda: kv.free("ghost"), lambda: kv.block_table("ghost"),
+                 lambda: kv.unregistered_block_hashes("ghost", [1])):
+        with pytest.raises(ValueError, match="unknown request 'ghost' in the KV cache"):
+            call()

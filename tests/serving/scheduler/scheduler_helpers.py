@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 from xlaserve.serving.scheduler import Scheduler, StepPlan
 from xlaserve.serving.types import GenerationRequest, SamplingParams, Tier
 
@@ -11,7 +13,12 @@ Row = tuple[str, int, int, bool]  # request id, start position, tokens, sample
 def req(rid: str, prompt: list[int] | int, *, max_tokens: int = 16, tier: Tier = Tier.FREE,
         priority: int = 0, tenant: str = "", deadline: float | None = None,
         arrival: float = 0.0) -> GenerationRequest:
-    tokens = list(range(100, 100 + prompt)) if isinstance(prompt, int) else prompt
+    """A request; an int `prompt` is that many tokens of a prompt of this request's own, so
+    that requests share a prefix only where a test spells out the same token ids."""
+    if isinstance(prompt, int):
+        start = 100 + 1000 * (zlib.crc32(rid.encode()) % 1000)
+        prompt = list(range(start, start + prompt))
+    tokens = prompt
     return GenerationRequest(rid, tokens, SamplingParams(max_tokens=max_tokens), tier, priority,
                              tenant, deadline, arrival)
 

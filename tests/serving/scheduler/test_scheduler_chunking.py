@@ -34,7 +34,7 @@ def test_chunked_prefill_exact_sequence(make: Callable[..., Scheduler]) -> None:
 
 def test_slot_mapping_and_positions(make: Callable[..., Scheduler]) -> None:
     s = make(max_prefill_chunk=3)
-    s.add(req("A", 7))
+    s.add(req("A", list(range(100, 107))))
     p = step(s)
     assert p.prefills[0].token_ids == (100, 101, 102)
     assert p.prefills[0].slot_mapping == (4, 5, 6)

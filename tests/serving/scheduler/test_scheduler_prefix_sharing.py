@@ -49,3 +49,43 @@ def test_tenant_salt_prevents_sharing(make: Callable[..., Scheduler]) -> None:
     assert s.request_state("globex").num_cached_tokens == 0
     for rid in ("acme2", "globex"):
         s.abort(rid)
+
+
+def test_requests_arriving_together_compute_the_shared_prefix_once(
+        make: Callable[..., Scheduler]) -> None:
+    """Like n > 1 completions of one prompt: all added before any step, with a budget that
+    would admit them all at once. The first computes the prefix; the others wait one step for
+    its blocks instead of computing their own copies, and an unrelated request is not held."""
+    s = make(num_kv_blocks=80, block_size=16, max_num_seqs=8, max_num_batched_tokens=4096,
+             max_prefill_chunk=512, max_model_len=1024)
+    for i in range(4):
+        s.add(req(f"n{i}", SYSTEM + [7] * 8, max_tokens=4))
+    s.add(req("other", 40, max_tokens=4, arrival=1.0))
+    assert rows(step(s)) == [("n0", 0, 512, False), ("other", 0, 40, True)]
+    assert s.num_waiting == 3                        # n0's block 32 (tokens 512-519) to come
+    p = step(s)
+    assert rows(p) == [("other", 40, 1, True), ("n0", 512, 8, True),
+                       ("n1", 512, 8, True), ("n2", 512, 8, True), ("n3", 512, 8, True)]
+    table = p.prefills[0].block_table
+    assert all(r.block_table[:32] == table[:32] for r in p.prefills)
+    assert all(s.kv_cache.pool.ref_count(b) == 4 for b in table[:32])
+    assert s.stats().kv_cache.num_used_blocks == 32 + 4 + 3   # prefix once, 4 tails, other
+    assert [s.request_state(f"n{i}").num_cached_tokens for i in range(4)] == [0, 512, 512, 512]
+    while s.has_unfinished:
+        step(s)
+
+
+def test_waiting_on_a_prefix_block_ends_when_its_computer_is_preempted(
+        make: Callable[..., Scheduler]) -> None:
+    """The wait is recomputed every step from the running requests: if the one computing the
+    shared block leaves (here: aborted mid-prefill), the next waiter computes it itself."""
+    s = make(num_kv_blocks=80, block_size=16, max_num_seqs=8, max_num_batched_tokens=4096,
+             max_prefill_chunk=256, max_model_len=1024)
+    s.add(req("a", SYSTEM + [1], max_tokens=2))
+    s.add(req("b", SYSTEM + [2], max_tokens=2, arrival=1.0))
+    assert rows(step(s)) == [("a", 0, 256, False)]
+    s.abort("a")
+    assert rows(step(s)) == [("b", 256, 256, False)]  # a's first 16 blocks were registered
+    assert s.request_state("b").num_cached_tokens == 256
+    while s.has_unfinished:
+        step(s)

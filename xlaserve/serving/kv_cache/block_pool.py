@@ -106,8 +106,13 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
+    def _check_id(self, block_id: int) -> None:
+        if not 1 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} is out of range 1..{self.num_blocks - 1}")
+
     def share(self, block_id: int) -> None:
         """One more reference to a hashed block found by a prefix hit (revives it if free)."""
+        self._check_id(block_id)
         if self._hashes[block_id] is None:
             raise ValueError(f"block {block_id} has no hash: only cached blocks are shared")
         if self._ref_counts[block_id] == 0:
@@ -117,7 +122,8 @@ class BlockPool:
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in order; the first freed is evicted first."""
         for block in block_ids:
-            if block == NULL_BLOCK or self._ref_counts[block] <= 0:
+            self._check_id(block)
+            if self._ref_counts[block] <= 0:
                 raise ValueError(f"block {block} is not in use (ref={self._ref_counts[block]})")
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
@@ -139,6 +145,7 @@ class BlockPool:
     def cache(self, block_id: int, block_hash: bytes) -> bool:
         """Register an in-use full block under `block_hash`; False when another block already
         holds that prefix (the newer copy stays unhashed and is freed as garbage)."""
+        self._check_id(block_id)
         if self._ref_counts[block_id] <= 0:
             raise ValueError(f"block {block_id} is not in use: only in-use blocks get a hash")
         current = self._hashes[block_id]
@@ -160,7 +167,9 @@ class BlockPool:
         free, evictable = set(self._free), set(self._evictable)
         assert len(free) == len(self._free), "duplicate block in the free list"
         assert not free & evictable, f"blocks both free and cached free: {free & evictable}"
-        assert NULL_BLOCK not in free | evictable, "null block is in a free list"
+        assert (free | evictable) <= set(range(1, self.num_blocks)), (
+            f"free lists hold ids outside 1..{self.num_blocks - 1}: "
+            f"{sorted((free | evictable) - set(range(1, self.num_blocks)))}")
         assert self._ref_counts[NULL_BLOCK] == 0, "null block has references"
         assert self._hashes[NULL_BLOCK] is None, "null block has a hash"
         in_use = {b for b in range(1, self.num_blocks) if self._ref_counts[b] > 0}

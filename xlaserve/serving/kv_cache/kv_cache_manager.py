@@ -4,6 +4,7 @@ A request's life in the cache (the scheduler drives it; all ids are physical blo
 
     find_cached_prefix(tokens, salt)   hashes the prompt's full blocks, stops at the first miss;
                                        no side effects (the scheduler may not admit the request)
+                                       and only valid until the cache next changes
     allocate_slots(id, n, prefix)      first call: the table starts with the hit blocks (shared,
                                        ref += 1), then grows by fresh blocks to hold n more
                                        tokens; later calls: n more tokens. All or nothing: False
@@ -39,6 +40,7 @@ class CachedPrefix:
     block_hashes: tuple[bytes, ...] = ()
     num_tokens: int = 0          # tokens covered by block_ids (full blocks only)
     num_queried_tokens: int = 0  # prompt length looked up
+    miss_hash: bytes | None = None  # the first hittable block that missed (None: no such block)
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,24 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        miss = hashes[len(blocks)] if len(blocks) < len(hashes) else None
         return CachedPrefix(salt, tuple(blocks), tuple(hashes[:len(blocks)]),
-                            len(blocks) * self.block_size, len(token_ids))
+                            len(blocks) * self.block_size, len(token_ids), miss)
+
+    def unregistered_block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
+        """The chained hashes of the full blocks of `token_ids` (the request's tokens from
+        position 0) that the request has not registered yet: blocks it will compute and then
+        offer to the prefix cache."""
+        state = self._get(request_id)
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        parent = state.hashes[-1] if state.hashes else None
+        out = []
+        for i in range(len(state.hashes), len(token_ids) // bs):
+            parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs], state.salt)
+            out.append(parent)
+        return out
 
     def allocate_slots(self, request_id: str, num_new_tokens: int,
                        prefix: CachedPrefix | None = None) -> bool:
@@ -132,6 +150,11 @@ class KVCacheManager:
             if prefix is None:
                 raise ValueError(f"request {request_id!r} is new: pass its cached prefix")
             have, hit_blocks = len(prefix.block_ids), prefix.block_ids
+            stale = [b for b, h in zip(hit_blocks, prefix.block_hashes)
+                     if self.pool.hash_of(b) != h]
+            if stale:
+                raise ValueError(f"request {request_id!r}: the cached prefix is stale (blocks "
+                                 f"{stale} were evicted since the lookup); look it up again")
             num_tokens = prefix.num_tokens + num_new_tokens
             # Hit blocks sitting in the cached-free list stop being allocatable once shared.
             revived = sum(1 for b in hit_blocks if self.pool.ref_count(b) == 0)
@@ -175,7 +198,8 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release every block of the request; hashed ones stay cached until evicted."""
-        state = self._requests.pop(request_id)
+        state = self._get(request_id)
+        del self._requests[request_id]
         self.pool.free(reversed(state.table))
 
     def usage(self) -> KVCacheUsage:

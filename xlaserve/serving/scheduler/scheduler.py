@@ -13,7 +13,10 @@ past them, so nothing is emitted twice). Order within a step:
     1. running sequences with one token left (decodes), in priority order
     2. running sequences with more left (prefill chunks), in priority order
     3. waiting sequences, in priority order, while max_num_seqs, the budget and the KV pool allow
-       (skipped in a step that had to preempt; stops at the first that does not fit)
+       (skipped in a step that had to preempt; stops at the first that does not fit). One whose
+       first uncached full block a running request is about to compute waits for it instead of
+       computing it again: n > 1 completions of one prompt, or many requests arriving together
+       with one system prompt, compute the shared prefix once and then hit it.
 
 A running sequence that cannot get blocks preempts the lowest-priority, latest running sequence
 (possibly itself) until it fits: blocks freed, num_computed_tokens = 0, back to waiting ahead of
@@ -214,6 +217,7 @@ class Scheduler:
 
     def _admit(self, draft: _Draft, now: float) -> None:
         cfg = self.config
+        in_flight: set[bytes] | None = None  # built on first need
         for seq in sorted(self._waiting.values(),
                           key=lambda s: waiting_key(s, now, cfg.aging_seconds)):
             if len(self._running) >= cfg.max_num_seqs or draft.budget == 0:
@@ -221,6 +225,11 @@ class Scheduler:
             if seq.num_pending or seq.output_limit_reached(cfg.max_model_len, known_only=False):
                 continue  # waits for update() / for the engine to finish it
             prefix = self.kv_cache.find_cached_prefix(seq.all_token_ids, seq.request.tenant)
+            if prefix.miss_hash is not None:
+                if in_flight is None:
+                    in_flight = self._in_flight_block_hashes()
+                if prefix.miss_hash in in_flight:
+                    continue  # a running request is computing that block: hit it later
             n = min(cfg.max_prefill_chunk, draft.budget, seq.num_tokens - prefix.num_tokens)
             if not self.kv_cache.allocate_slots(seq.request_id, n, prefix):
                 return  # strict priority: nobody jumps a request that does not fit
@@ -231,6 +240,19 @@ class Scheduler:
             del self._waiting[seq.request_id]
             self._running[seq.request_id] = seq
             draft.add(seq, n)
+            if in_flight is not None:
+                in_flight.update(self._unregistered(seq))
+
+    def _in_flight_block_hashes(self) -> set[bytes]:
+        """Hashes of the full blocks running requests have yet to compute or register."""
+        out: set[bytes] = set()
+        for seq in self._running.values():
+            out.update(self._unregistered(seq))
+        return out
+
+    def _unregistered(self, seq: Sequence) -> list[bytes]:
+        known = seq.all_token_ids[:seq.num_known_tokens]
+        return self.kv_cache.unregistered_block_hashes(seq.request_id, known)
 
     def _emit(self, draft: _Draft) -> StepPlan:
         bs = self.config.block_size
