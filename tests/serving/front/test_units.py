@@ -4,6 +4,7 @@ estimates and bounds."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -115,5 +116,64 @@ def test_admission_weights_in_order():
         await asyncio.gather(a, b)
         assert order == ["two", "one"] and adm.running == 0
         return order
+
+    asyncio.run(scenario())
+
+
+def test_admission_grant_racing_the_queue_timeout_admits():
+    """The queue-wait timer and the release() that grants the slot fire in the same loop
+    iteration (a busy loop): the waiter is admitted, and no slot is left held."""
+    async def scenario() -> None:
+        cfg = AdmissionConfig(slo_wait_s={"free": 100.0}, max_queue_wait_s=0.05)
+        adm = AdmissionController(cfg, capacity=1, max_queue=4)
+        first = await adm.acquire(Tier.FREE)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, time.sleep, 0.2)     # both timers below come due together
+        loop.call_later(0.06, adm.release, first)
+        second = await adm.acquire(Tier.FREE)      # was: Rejected("timeout"), slot leaked
+        assert adm.running == 1 and adm.rejections == {}
+        adm.release(second)
+        assert adm.running == 0 and adm.waiting == 0
+        await asyncio.wait_for(adm.acquire(Tier.FREE), 1.0)   # idle: admitted at once
+        assert adm.running == 1
+
+    asyncio.run(scenario())
+
+
+def test_admission_grant_racing_a_cancel_frees_the_slot_unmeasured():
+    """A queued caller cancelled in the instant its slot is granted hands the slot on, and its
+    zero time in the engine does not enter the service-time average."""
+    clock = Clock()
+
+    async def scenario() -> None:
+        cfg = AdmissionConfig(slo_wait_s={"free": 100.0})
+        adm = AdmissionController(cfg, capacity=1, max_queue=4, clock=clock)
+        first = await adm.acquire(Tier.FREE)
+        waiter = asyncio.create_task(adm.acquire(Tier.FREE))
+        await asyncio.sleep(0)
+        assert adm.waiting == 1
+        clock.t += 2.0
+        waiter.cancel()             # its client goes away ...
+        adm.release(first)          # ... as the slot is granted, before the waiter runs
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert adm.running == 0 and adm.waiting == 0
+        assert adm.service_rate() == 0.5   # 1 slot / 2.0 s measured; was 1 / 1.6 s
+
+    asyncio.run(scenario())
+
+
+def test_admission_without_a_queue_rejects_when_full():
+    async def scenario() -> None:
+        adm = AdmissionController(AdmissionConfig(slo_wait_s={"free": 100.0}), capacity=1,
+                                  max_queue=0)
+        t = await adm.acquire(Tier.FREE)
+        with pytest.raises(Rejected) as e:
+            await adm.acquire(Tier.FREE)
+        assert e.value.reason == "queue_full" and e.value.retry_after >= 1
+        assert "admission queue is full (0 waiting)" in str(e.value)
+        adm.release(t)
+        assert adm.running == 0
+        await adm.acquire(Tier.FREE)
 
     asyncio.run(scenario())
