@@ -51,8 +51,13 @@ ROUTED_HEADER = "x-xlaserve-routed-model"
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(body, ensure_ascii=False), status=status, headers=headers,
-                    mimetype="application/json")
+    try:
+        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate from the client's own JSON (an unknown field's name, say) has no
+        # UTF-8 form: send it back \u-escaped, as the client wrote it.
+        data = json.dumps(body).encode("ascii")
+    return Response(data, status=status, headers=headers, mimetype="application/json")
 
 
 def create_app(state: ServingState) -> Quart:
@@ -309,7 +314,7 @@ def create_app(state: ServingState) -> Quart:
         if parsed.max_tokens is None:
             max_tokens = room if parsed.kind == "chat" else min(16, room)
         elif parsed.max_tokens > room:
-            name = "max_tokens"
+            name = parsed.max_tokens_param
             raise ApiError(400, f"'{name}' is too large: {parsed.max_tokens} > {room} (this "
                                 f"model's maximum context length is {limit} tokens and the "
                                 f"prompt has {longest})", name, "context_length_exceeded")
