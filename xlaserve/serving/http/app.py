@@ -98,8 +98,12 @@ def create_app(state: ServingState) -> Quart:
             response.headers["traceparent"] = trace.traceparent
         for k, v in getattr(g, "extra_headers", {}).items():
             response.headers.setdefault(k, v)
-        state.metrics.http.labels(request.path if request.path.startswith("/v1/") else "other",
-                                  str(response.status_code)).inc()
+        # Label by the matched route, never the raw path: anyone can send any path, and each
+        # distinct label value would be a new Prometheus series.
+        rule = request.url_rule
+        endpoint = ("unmatched" if rule is None
+                    else rule.rule if rule.rule.startswith("/v1/") else "other")
+        state.metrics.http.labels(endpoint, str(response.status_code)).inc()
         return response
 
     def shutting_down(message: str) -> ApiError:
