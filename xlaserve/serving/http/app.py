@@ -230,16 +230,12 @@ def create_app(state: ServingState) -> Quart:
         except ApiError as e:
             if e.status == 400:
                 state.metrics.rejections.labels("invalid_request").inc()
-            if state.audit is not None:
-                state.audit.write({
-                    "ts": round(time.time(), 3), "request_id": trace.request_id,
-                    "trace_id": trace.trace_id,
-                    "tenant": principal.tenant if principal else None,
-                    "tier": principal.tier.name.lower() if principal else None,
-                    "model": model, "endpoint": request.path, "status": e.status,
-                    "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
-                    "latency_s": round(time.monotonic() - arrived, 4), "error": e.code})
+            audit_unserved(arrived, principal, model, e.status, e.code)
             return error_response(e)
+        except BaseException as e:
+            # The client went away (queued in admission, say) or a bug: still one audit line.
+            audit_unserved(arrived, principal, model, *ended_by(e))
+            raise
         if parsed.model == "auto":
             g.extra_headers[ROUTED_HEADER] = group.id
         audit_extra: dict[str, Any] = {"user": parsed.user} if parsed.user else {}
@@ -248,8 +244,9 @@ def create_app(state: ServingState) -> Quart:
         try:
             gen = Generation(state, group, principal, trace, request.path, ticket, arrived,
                              prompts, parsed.n, sampling, parsed.priority, audit_extra)
-        except BaseException:
+        except BaseException as e:
             group.admission.release(ticket)
+            audit_unserved(arrived, principal, model, *ended_by(e))
             raise
         # Safety net: a client gone before a streamed body starts never runs the generator's
         # `finally`; when this request's task ends, close whatever is still open.
@@ -259,6 +256,28 @@ def create_app(state: ServingState) -> Quart:
         if parsed.stream:
             return stream_response(gen, parsed)
         return await full_response(gen, parsed)
+
+    def ended_by(e: BaseException) -> tuple[int, str]:
+        """(status, code) for the audit line of a request ended by an exception that is not
+        an ApiError: 499 when the client went away (its task was cancelled, or its stream
+        closed), else 500 (the server failed)."""
+        if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+            return 499, "client_disconnected"
+        return 500, "internal_error"
+
+    def audit_unserved(arrived: float, principal: Principal | None, model: str | None,
+                       status: int, code: str | None) -> None:
+        """The audit line of a request that ended before its Generation existed."""
+        if state.audit is None:
+            return
+        trace: TraceContext = g.trace
+        state.audit.write({
+            "ts": round(time.time(), 3), "request_id": trace.request_id,
+            "trace_id": trace.trace_id, "tenant": principal.tenant if principal else None,
+            "tier": principal.tier.name.lower() if principal else None, "model": model,
+            "endpoint": request.path, "status": status, "prompt_tokens": 0,
+            "completion_tokens": 0, "cached_tokens": 0,
+            "latency_s": round(time.monotonic() - arrived, 4), "error": code})
 
     def _close_orphan(gen: Generation) -> None:
         if not gen.closed:
@@ -357,8 +376,8 @@ def create_app(state: ServingState) -> Quart:
             async for c, ev in gen.events():
                 lps[c.index].extend(ev.logprobs)
             err = settle_status(gen)
-        except BaseException:
-            gen.status = 499  # client went away: close() aborts the engine requests
+        except BaseException as e:
+            gen.status = ended_by(e)[0]  # close() aborts the engine requests
             raise
         finally:
             await gen.close()
@@ -417,7 +436,6 @@ def create_app(state: ServingState) -> Quart:
             return {"index": c.index, "text": ev.text, "logprobs": lp, "finish_reason": fr}
 
         async def sse() -> Any:
-            done = False
             try:
                 if chat:
                     yield chunk([{"index": c.index, "delta": {"role": "assistant",
@@ -437,10 +455,10 @@ def create_app(state: ServingState) -> Quart:
                     yield chunk([], usage_dict(u.prompt_tokens, u.completion_tokens,
                                                u.cached_tokens))
                 yield "data: [DONE]\n\n"
-                done = True
+            except BaseException as e:
+                gen.status = ended_by(e)[0]
+                raise
             finally:
-                if not done:
-                    gen.status = 499
                 await gen.close()
 
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
