@@ -38,8 +38,8 @@ CASES = [
     ("chat", {"model": "fake", "messages": CHAT, "max_completion_tokens": 10 ** 9}, 400,
      "max_completion_tokens"),
     # unknown fields named by a lone surrogate: no UTF-8 form, sent back \u-escaped
-    ("chat", b'{"model": "fake", "messages": [{"role": "user", "content": "hi"}], '
-             b'"\\udcff": 1}', 400, "\udcff"),
+    ("chat", (b'{"model": "fake", "messages": [{"role": "user", "content": "hi"}], '
+              b'"\\udcff": 1}'), 400, "\udcff"),
     ("completion", b'{"model": "fake", "prompt": "hi", "\\ud800": 1}', 400, "\ud800"),
     # rejected by json with RecursionError / ValueError rather than JSONDecodeError
     ("completion", b'{"model": "fake", "prompt": "hi", "metadata": ' + b"[" * 20000
