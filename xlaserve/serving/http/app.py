@@ -8,9 +8,11 @@ One generation request, in order (each step can end it with an OpenAI-shaped err
     body: size, UTF-8, JSON, fields        -> 413 / 400 naming the field
     model -> group (router, tier, token)   -> 404 / 403;  "auto" picks small or large by length
     tokenize, context length check         -> 400 context_length_exceeded
+    reserve prompt + n x max_tokens tokens -> 429 (tokens in flight count against the limits)
     admission (queue / SLO)                -> 429 + Retry-After
     Generation: n engine requests merged   -> JSON, or SSE chunks + [DONE]
-    always: abort what is unfinished, release the slot, charge tokens, metrics, audit line
+    always: abort what is unfinished, release the slot, settle the reservation to the tokens
+            served (none on a 5xx), metrics, audit line
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (alive),
 GET /ready (engines warm), GET /metrics (Prometheus), GET / (a minimal chat page).
@@ -30,7 +32,7 @@ from werkzeug.exceptions import HTTPException
 
 from xlaserve.serving.admission import Rejected
 from xlaserve.serving.gateway.auth import AuthError, Principal
-from xlaserve.serving.gateway.ratelimit import RateLimited
+from xlaserve.serving.gateway.ratelimit import RateLimited, Reservation
 from xlaserve.serving.gateway.tracing import TraceContext
 from xlaserve.serving.http.protocol import (
     ApiError,
@@ -193,6 +195,7 @@ def create_app(state: ServingState) -> Quart:
         trace: TraceContext = g.trace
         principal: Principal | None = None
         model: str | None = None
+        reservation: Reservation | None = None
         try:
             if state.draining:
                 raise shutting_down("server shutting down")
@@ -200,9 +203,7 @@ def create_app(state: ServingState) -> Quart:
             try:
                 g.extra_headers.update(state.limiter.check(principal.tenant, principal.tier))
             except RateLimited as e:
-                state.metrics.rejections.labels(e.code).inc()
-                raise ApiError(429, str(e), None, e.code, {
-                    **e.headers, "Retry-After": str(max(1, math.ceil(e.retry_after)))}) from None
+                raise rate_limited(e) from None
             try:
                 raw = await request.get_data(cache=False, as_text=False)
             except HTTPException as e:
@@ -217,6 +218,13 @@ def create_app(state: ServingState) -> Quart:
             group, prompts = route(parsed, principal)
             model = group.id
             sampling = sampling_params(parsed, group, prompts)
+            try:  # hold the most it can use, so that requests in flight together cannot
+                # overshoot the tenant's limits (gateway/ratelimit.py)
+                reservation = state.limiter.reserve(
+                    principal.tenant, principal.tier,
+                    sum(len(p) for p in prompts) + len(prompts) * parsed.n * sampling.max_tokens)
+            except RateLimited as e:
+                raise rate_limited(e) from None
             if not group.ready:
                 raise ApiError(503, f"model {group.id!r} is still warming up", None,
                                "model_not_ready", {"Retry-After": "5"})
@@ -230,10 +238,14 @@ def create_app(state: ServingState) -> Quart:
         except ApiError as e:
             if e.status == 400:
                 state.metrics.rejections.labels("invalid_request").inc()
+            if reservation is not None:
+                state.limiter.settle(reservation, 0)
             audit_unserved(arrived, principal, model, e.status, e.code)
             return error_response(e)
         except BaseException as e:
             # The client went away (queued in admission, say) or a bug: still one audit line.
+            if reservation is not None:
+                state.limiter.settle(reservation, 0)
             audit_unserved(arrived, principal, model, *ended_by(e))
             raise
         if parsed.model == "auto":
@@ -243,9 +255,11 @@ def create_app(state: ServingState) -> Quart:
             audit_extra["prompt"] = parsed.messages if kind == "chat" else parsed.prompts
         try:
             gen = Generation(state, group, principal, trace, request.path, ticket, arrived,
-                             prompts, parsed.n, sampling, parsed.priority, audit_extra)
+                             prompts, parsed.n, sampling, parsed.priority, audit_extra,
+                             reservation)
         except BaseException as e:
             group.admission.release(ticket)
+            state.limiter.settle(reservation, 0)
             audit_unserved(arrived, principal, model, *ended_by(e))
             raise
         # Safety net: a client gone before a streamed body starts never runs the generator's
@@ -256,6 +270,11 @@ def create_app(state: ServingState) -> Quart:
         if parsed.stream:
             return stream_response(gen, parsed)
         return await full_response(gen, parsed)
+
+    def rate_limited(e: RateLimited) -> ApiError:
+        state.metrics.rejections.labels(e.code).inc()
+        return ApiError(429, str(e), None, e.code, {
+            **e.headers, "Retry-After": str(max(1, math.ceil(e.retry_after)))})
 
     def ended_by(e: BaseException) -> tuple[int, str]:
         """(status, code) for the audit line of a request ended by an exception that is not
