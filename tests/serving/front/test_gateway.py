@@ -3,12 +3,14 @@ the audit log, and refusing to serve without auth on a non-loopback address."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import httpx
 import jwt
 import pytest
+from tests.serving.front.conftest import wait_for
 
 from xlaserve.serving.server_config import (
     AuditConfig,
@@ -17,6 +19,7 @@ from xlaserve.serving.server_config import (
     ServerConfig,
     TierLimits,
 )
+from xlaserve.serving.types import Tier
 
 SECRET = "test-secret-which-is-long-enough-for-hs256"
 BODY = {"model": "fake", "prompt": "hello world", "max_tokens": 3}
@@ -145,3 +148,60 @@ def test_audit_prompts_only_when_configured(make_server, tmp_path):
     assert post(srv, None).status_code == 200
     rec = json.loads((tmp_path / "a.jsonl").read_text())
     assert rec["prompt"] == ["hello world"] and rec["tenant"] == "local"
+
+
+def test_requests_the_server_fails_are_not_charged(make_server, tokenizer):
+    """An engine error (500, no token served) costs the tenant nothing: three times the
+    quota's worth of failures later, the quota is whole and a good request is served."""
+    prompt = "hello there world, how are you today?"
+    ids = tokenizer.encode(prompt)
+    cfg = ServerConfig(models=(ServedModel("fake"),),
+                       limits={"internal": TierLimits(tokens_per_day=3 * len(ids))})
+    srv = make_server(cfg, fail_token=ids[-1])   # fails on its first token: the prompt's last
+    body = {"model": "fake", "prompt": prompt, "max_tokens": 5}
+    for _ in range(4):
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
+        assert r.headers["x-ratelimit-remaining-tokens-day"] == str(3 * len(ids))
+    r = httpx.post(srv.url + "/v1/completions", timeout=10,
+                   json={"model": "fake", "prompt": "tell me a story", "max_tokens": 2})
+    assert r.status_code == 200
+    assert srv.state.limiter.headers("local", Tier.INTERNAL)[
+        "x-ratelimit-remaining-tokens-day"] == str(3 * len(ids) - r.json()["usage"][
+            "total_tokens"])
+
+
+def test_concurrent_requests_overshoot_the_quota_by_one_request_at_most(make_server):
+    quota = 50
+    cfg = ServerConfig(models=(ServedModel("fake"),),
+                       limits={"internal": TierLimits(tokens_per_day=quota)})
+    srv = make_server(cfg, token_delay=0.02)
+    body = {"model": "fake", "prompt": "hello there world how are you", "max_tokens": 20}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as c:
+            return await asyncio.gather(*(c.post(srv.url + "/v1/completions", json=body)
+                                          for _ in range(20)))
+
+    rs = asyncio.run(burst())
+    ok = [r for r in rs if r.status_code == 200]
+    refused = [r for r in rs if r.status_code == 429]
+    assert len(ok) + len(refused) == 20 and ok
+    assert {r.json()["error"]["code"] for r in refused} == {"daily_quota_exceeded"}
+    size = ok[0].json()["usage"]["prompt_tokens"] + body["max_tokens"]  # one request's most
+    served = sum(r.json()["usage"]["total_tokens"] for r in ok)
+    assert served <= quota - 1 + size, (len(ok), served)   # was: 20/20 served, 520 tokens
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 429 and r.headers["x-ratelimit-remaining-tokens-day"] == "0"
+
+
+def test_client_gone_before_its_prompt_ran_is_not_charged(make_server):
+    cfg = ServerConfig(models=(ServedModel("fake"),),
+                       limits={"internal": TierLimits(tokens_per_day=1000)})
+    srv = make_server(cfg, prefill_delay=30)
+    eng = srv.state.router.groups[0].replicas[0].engine
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/completions", json=BODY, timeout=0.4)
+    assert wait_for(lambda: not srv.state.generations and not eng.running)
+    h = srv.state.limiter.headers("local", Tier.INTERNAL)
+    assert h["x-ratelimit-remaining-tokens-day"] == "1000"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 from tests.serving.front.fake_engine import expected_ids, expected_output
 
 
@@ -125,3 +126,21 @@ def test_request_id_and_traceparent_propagate(make_server):
     eng = srv.state.router.groups[0].replicas[0].engine
     assert eng.submitted[-1].request_id == "abc-123"
     assert r.json()["id"] == "cmpl-abc-123"
+
+
+def test_http_metric_endpoint_is_the_route_not_the_path(make_server):
+    """Unknown paths, unauthenticated ones included, share one label value: a client cannot
+    grow the number of Prometheus series."""
+    srv = make_server()
+    for i in range(20):
+        assert httpx.get(f"{srv.url}/v1/junk-{i}").status_code == 404
+    assert httpx.get(srv.url + "/v1/completions").status_code == 405
+    client(srv).completions.create(model="fake", prompt="hi there", max_tokens=2)
+    assert httpx.get(srv.url + "/health").status_code == 200
+    families = text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)
+    counts = {(s.labels["endpoint"], s.labels["status"]): s.value
+              for f in families if f.name == "xlaserve_http_responses"
+              for s in f.samples if s.name == "xlaserve_http_responses_total"}
+    assert counts == {("unmatched", "404"): 20.0, ("unmatched", "405"): 1.0,
+                      ("/v1/completions", "200"): 1.0,
+                      ("other", "200"): 2.0}  # /health: LiveServer.start() asked once

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
-from xlaserve.serving.server_config import ServedModel, ServerConfig
+from xlaserve.serving.server_config import AuditConfig, ServedModel, ServerConfig
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -33,6 +35,17 @@ CASES = [
     ("chat", {"model": "fake", "messages": CHAT, "max_tokens": "5"}, 400, "max_tokens"),
     ("chat", {"model": "fake", "messages": CHAT, "max_completion_tokens": 0}, 400,
      "max_completion_tokens"),
+    ("chat", {"model": "fake", "messages": CHAT, "max_completion_tokens": 10 ** 9}, 400,
+     "max_completion_tokens"),
+    # unknown fields named by a lone surrogate: no UTF-8 form, sent back \u-escaped
+    ("chat", (b'{"model": "fake", "messages": [{"role": "user", "content": "hi"}], '
+              b'"\\udcff": 1}'), 400, "\udcff"),
+    ("completion", b'{"model": "fake", "prompt": "hi", "\\ud800": 1}', 400, "\ud800"),
+    # rejected by json with RecursionError / ValueError rather than JSONDecodeError
+    ("completion", b'{"model": "fake", "prompt": "hi", "metadata": ' + b"[" * 20000
+     + b"]" * 20000 + b"}", 400, None),
+    ("completion", b'{"model": "fake", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+     400, None),
     ("chat", {"model": "fake", "messages": CHAT, "temperature": 2.5}, 400, "temperature"),
     ("chat", {"model": "fake", "messages": CHAT, "temperature": -1}, 400, "temperature"),
     ("chat", {"model": "fake", "messages": CHAT, "temperature": True}, 400, "temperature"),
@@ -96,7 +109,6 @@ def test_bad_input(srv, endpoint, body, status, param):
         r = httpx.post(srv.url + path, content=body,
                        headers={"content-type": "application/json"})
     else:
-        import json
         r = httpx.post(srv.url + path, content=json.dumps(body).encode(),
                        headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
@@ -123,3 +135,24 @@ def test_ignored_fields_accepted(srv):
         "logit_bias": {}, "response_format": {"type": "text"}, "top_k": -1})
     assert r.status_code == 200, r.text
     assert srv.state.router.groups[0].replicas[0].engine.blocks_in_use == 0
+
+
+def test_unparsable_json_and_surrogates_are_400_and_audited(make_server, tmp_path):
+    """Bodies json rejects with RecursionError / ValueError, and a "model" no UTF-8 can hold:
+    a 400 and an audit line each (were 500s, and the audit write itself failed)."""
+    audit = tmp_path / "audit.jsonl"
+    srv = make_server(ServerConfig(models=(ServedModel("fake"),),
+                                   audit=AuditConfig(path=str(audit))))
+    bodies = [b'{"model": "fake", "prompt": "hi", "metadata": ' + b"[" * 100000
+              + b"]" * 100000 + b"}",
+              b'{"model": "fake", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+              b'{"model": "\\ud800", "prompt": "hi"}']
+    for i, body in enumerate(bodies):
+        r = httpx.post(srv.url + "/v1/completions", content=body,
+                       headers={"content-type": "application/json", "x-request-id": f"b{i}"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == ("invalid_json" if i < 2 else "invalid_value")
+    lines = [json.loads(x) for x in audit.read_text().splitlines()]
+    assert [(x["request_id"], x["status"], x["error"]) for x in lines] == [
+        ("b0", 400, "invalid_json"), ("b1", 400, "invalid_json"), ("b2", 400, "invalid_value")]
+    assert lines[2]["model"] == "\ud800"

@@ -4,6 +4,7 @@ estimates and bounds."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -29,7 +30,7 @@ def test_token_bucket_debt_and_refill():
     lim = RateLimiter(lambda tier: TierLimits(tokens_per_minute=600, tokens_per_day=1500),
                       clock, wall)
     lim.check("a", Tier.FREE)
-    lim.charge("a", Tier.FREE, 900)          # 300 into debt: refused until refilled
+    lim.settle(lim.reserve("a", Tier.FREE, 900), 900)   # 300 into debt: refused until refilled
     with pytest.raises(RateLimited) as e:
         lim.check("a", Tier.FREE)
     assert e.value.code == "rate_limit_exceeded"
@@ -37,7 +38,7 @@ def test_token_bucket_debt_and_refill():
     clock.t += 31
     h = lim.check("a", Tier.FREE)
     assert h["x-ratelimit-remaining-tokens-day"] == "600"
-    lim.charge("a", Tier.FREE, 600)          # day total 1500: quota used up
+    lim.settle(lim.reserve("a", Tier.FREE, 600), 600)   # day total 1500: quota used up
     clock.t += 3600
     with pytest.raises(RateLimited) as e:
         lim.check("a", Tier.FREE)
@@ -46,6 +47,48 @@ def test_token_bucket_debt_and_refill():
     wall.t += 23 * 3600                      # next UTC day: quota resets
     lim.check("a", Tier.FREE)
     lim.check("b", Tier.FREE)                # other tenants never shared a bucket
+
+
+def test_reservations_bound_concurrent_requests():
+    """Tokens held by requests in flight count as used: however many arrive together, the
+    quota is overshot by at most the last admitted request's own size."""
+    clock, wall = Clock(), Clock()
+    lim = RateLimiter(lambda tier: TierLimits(tokens_per_minute=600, tokens_per_day=50),
+                      clock, wall)
+    first = lim.reserve("a", Tier.FREE, 30)             # 0 used: admitted
+    second = lim.reserve("a", Tier.FREE, 30)            # 30 held < 50: admitted
+    for _ in range(10):                                 # 60 held: everyone else waits
+        with pytest.raises(RateLimited) as e:
+            lim.reserve("a", Tier.FREE, 30)
+        assert e.value.code == "daily_quota_exceeded"
+        assert "60 held by requests in flight" in str(e.value)
+        with pytest.raises(RateLimited):
+            lim.check("a", Tier.FREE)
+    assert lim.headers("a", Tier.FREE)["x-ratelimit-remaining-tokens-day"] == "0"
+    lim.settle(first, 12)         # served 12 of 30: 18 go back to the bucket and the quota
+    assert lim.headers("a", Tier.FREE)["x-ratelimit-remaining-tokens-day"] == "8"
+    assert lim.headers("a", Tier.FREE)["x-ratelimit-remaining-tokens"] == "558"
+    lim.settle(second, 0)         # failed by the server: nothing charged
+    lim.settle(second, 30)        # idempotent: a second settle changes nothing
+    assert lim.headers("a", Tier.FREE)["x-ratelimit-remaining-tokens-day"] == "38"
+    assert lim.headers("a", Tier.FREE)["x-ratelimit-remaining-tokens"] == "588"
+    with pytest.raises(ValueError, match=r"tokens used \(31\) must be within the 30"):
+        lim.settle(lim.reserve("a", Tier.FREE, 30), 31)
+
+
+def test_reservation_refund_caps_at_bucket_capacity():
+    """Settling refunds what was held but not used, as if only the usage had been taken at
+    the start: the refill in between is capped at the capacity at the same point."""
+    clock = Clock()
+    lim = RateLimiter(lambda tier: TierLimits(tokens_per_minute=600), clock)
+    r = lim.reserve("a", Tier.FREE, 500)               # 600 -> 100
+    clock.t += 45                                       # +450 at 10/s -> 550
+    lim.settle(r, 100)                                  # 550 + 400 capped: 600 (500 + 450)
+    assert lim.headers("a", Tier.FREE)["x-ratelimit-remaining-tokens"] == "600"
+    r = lim.reserve("a", Tier.FREE, 500)               # 600 -> 100
+    clock.t += 10                                       # -> 200
+    lim.settle(r, 300)                                  # 600 - 300 + 100 refill = 400
+    assert lim.headers("a", Tier.FREE)["x-ratelimit-remaining-tokens"] == "400"
 
 
 def test_trace_context():
@@ -115,5 +158,64 @@ def test_admission_weights_in_order():
         await asyncio.gather(a, b)
         assert order == ["two", "one"] and adm.running == 0
         return order
+
+    asyncio.run(scenario())
+
+
+def test_admission_grant_racing_the_queue_timeout_admits():
+    """The queue-wait timer and the release() that grants the slot fire in the same loop
+    iteration (a busy loop): the waiter is admitted, and no slot is left held."""
+    async def scenario() -> None:
+        cfg = AdmissionConfig(slo_wait_s={"free": 100.0}, max_queue_wait_s=0.05)
+        adm = AdmissionController(cfg, capacity=1, max_queue=4)
+        first = await adm.acquire(Tier.FREE)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, time.sleep, 0.2)     # both timers below come due together
+        loop.call_later(0.06, adm.release, first)
+        second = await adm.acquire(Tier.FREE)      # was: Rejected("timeout"), slot leaked
+        assert adm.running == 1 and adm.rejections == {}
+        adm.release(second)
+        assert adm.running == 0 and adm.waiting == 0
+        await asyncio.wait_for(adm.acquire(Tier.FREE), 1.0)   # idle: admitted at once
+        assert adm.running == 1
+
+    asyncio.run(scenario())
+
+
+def test_admission_grant_racing_a_cancel_frees_the_slot_unmeasured():
+    """A queued caller cancelled in the instant its slot is granted hands the slot on, and its
+    zero time in the engine does not enter the service-time average."""
+    clock = Clock()
+
+    async def scenario() -> None:
+        cfg = AdmissionConfig(slo_wait_s={"free": 100.0})
+        adm = AdmissionController(cfg, capacity=1, max_queue=4, clock=clock)
+        first = await adm.acquire(Tier.FREE)
+        waiter = asyncio.create_task(adm.acquire(Tier.FREE))
+        await asyncio.sleep(0)
+        assert adm.waiting == 1
+        clock.t += 2.0
+        waiter.cancel()             # its client goes away ...
+        adm.release(first)          # ... as the slot is granted, before the waiter runs
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert adm.running == 0 and adm.waiting == 0
+        assert adm.service_rate() == 0.5   # 1 slot / 2.0 s measured; was 1 / 1.6 s
+
+    asyncio.run(scenario())
+
+
+def test_admission_without_a_queue_rejects_when_full():
+    async def scenario() -> None:
+        adm = AdmissionController(AdmissionConfig(slo_wait_s={"free": 100.0}), capacity=1,
+                                  max_queue=0)
+        t = await adm.acquire(Tier.FREE)
+        with pytest.raises(Rejected) as e:
+            await adm.acquire(Tier.FREE)
+        assert e.value.reason == "queue_full" and e.value.retry_after >= 1
+        assert "admission queue is full (0 waiting)" in str(e.value)
+        adm.release(t)
+        assert adm.running == 0
+        await adm.acquire(Tier.FREE)
 
     asyncio.run(scenario())

@@ -125,8 +125,8 @@ class AdmissionController:
                                f"expected queue wait {wait:.1f}s exceeds the {tier.name.lower()} "
                                f"tier's {slo:g}s objective")
         if len(self._queue) >= self.max_queue:
-            worst = max(self._queue)
-            if worst.key > (-tier, -priority, math.inf):
+            worst = max(self._queue) if self._queue else None   # max_queue = 0: no queue
+            if worst is not None and worst.key > (-tier, -priority, math.inf):
                 # Full, but someone of a lower class is queued: they make way (paid before free).
                 self._queue.remove(worst)
                 heapq.heapify(self._queue)
@@ -143,16 +143,20 @@ class AdmissionController:
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.config.max_queue_wait_s)
         except TimeoutError:
+            # The timer and the grant can land in the same loop iteration: wait_for then
+            # raises although _wake() already started the ticket.  The caller is still
+            # here, so it is admitted (rejecting it would leak the slot or waste the grant).
+            if self._granted(fut):
+                return ticket
             self._drop(waiter)
             raise self._reject("timeout", self.expected_wait(tier, priority, weight),
                                f"waited {self.config.max_queue_wait_s:g}s in the admission "
                                "queue") from None
         except BaseException:
             # Cancelled (client gone) or displaced.  If we were granted a slot in the same
-            # instant, hand it on.
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                ticket.started = self._clock()
-                self.release(ticket)
+            # instant, hand it on without counting it as a served request.
+            if self._granted(fut):
+                self._give_back(ticket)
             else:
                 self._drop(waiter)
             raise
@@ -162,12 +166,10 @@ class AdmissionController:
         """The request left the engine (any outcome).  Idempotent."""
         if ticket.released:
             return
-        ticket.released = True
         elapsed = self._clock() - ticket.started  # per engine request: they run side by side
         self._mean_service_s = (elapsed if self._mean_service_s == 0
                                 else 0.8 * self._mean_service_s + 0.2 * elapsed)
-        self._running -= ticket.weight
-        self._wake()
+        self._give_back(ticket)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -176,6 +178,18 @@ class AdmissionController:
         ticket.started = self._clock()
         ticket.queue_time = ticket.started - ticket.arrived
         return ticket
+
+    @staticmethod
+    def _granted(fut: asyncio.Future[None]) -> bool:
+        return fut.done() and not fut.cancelled() and fut.exception() is None
+
+    def _give_back(self, ticket: Ticket) -> None:
+        """Free the ticket's slots; unlike release(), no service time is measured (a ticket
+        granted to a caller that had already gone never ran)."""
+        assert not ticket.released
+        ticket.released = True
+        self._running -= ticket.weight
+        self._wake()
 
     def _wake(self) -> None:
         # Strictly in order: the head waits until it fits, so heavy requests never starve.

@@ -3,7 +3,8 @@ happened (audit log, request ids / W3C trace context).
 
     request headers --auth.Authenticator--> Principal(tenant, tier, models)
                     --ratelimit.RateLimiter.check()--> ok | RateLimited(retry_after, headers)
+    tokenized       --ratelimit.RateLimiter.reserve(most tokens it can use)--> Reservation
     ... engine ...
-                    --ratelimit.RateLimiter.charge(tokens)     (actual usage, after the fact)
+                    --ratelimit.RateLimiter.settle(reservation, tokens served)
                     --audit.AuditLog.write(record)             (one JSONL line per request)
 """

@@ -26,7 +26,11 @@ class AuditLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.include_prompts:
             record = {k: v for k, v in record.items() if k != "prompt"}
-        line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        try:
+            line = (json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+                    + "\n").encode()
+        except UnicodeEncodeError:  # a lone surrogate the client sent (as "model", say)
+            line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         with self._lock:
             os.write(self._fd, line)
 

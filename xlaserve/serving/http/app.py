@@ -8,9 +8,11 @@ One generation request, in order (each step can end it with an OpenAI-shaped err
     body: size, UTF-8, JSON, fields        -> 413 / 400 naming the field
     model -> group (router, tier, token)   -> 404 / 403;  "auto" picks small or large by length
     tokenize, context length check         -> 400 context_length_exceeded
+    reserve prompt + n x max_tokens tokens -> 429 (tokens in flight count against the limits)
     admission (queue / SLO)                -> 429 + Retry-After
     Generation: n engine requests merged   -> JSON, or SSE chunks + [DONE]
-    always: abort what is unfinished, release the slot, charge tokens, metrics, audit line
+    always: abort what is unfinished, release the slot, settle the reservation to the tokens
+            served (none on a 5xx), metrics, audit line
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (alive),
 GET /ready (engines warm), GET /metrics (Prometheus), GET / (a minimal chat page).
@@ -30,7 +32,7 @@ from werkzeug.exceptions import HTTPException
 
 from xlaserve.serving.admission import Rejected
 from xlaserve.serving.gateway.auth import AuthError, Principal
-from xlaserve.serving.gateway.ratelimit import RateLimited
+from xlaserve.serving.gateway.ratelimit import RateLimited, Reservation
 from xlaserve.serving.gateway.tracing import TraceContext
 from xlaserve.serving.http.protocol import (
     ApiError,
@@ -51,8 +53,13 @@ ROUTED_HEADER = "x-xlaserve-routed-model"
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(body, ensure_ascii=False), status=status, headers=headers,
-                    mimetype="application/json")
+    try:
+        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate from the client's own JSON (an unknown field's name, say) has no
+        # UTF-8 form: send it back \u-escaped, as the client wrote it.
+        data = json.dumps(body).encode("ascii")
+    return Response(data, status=status, headers=headers, mimetype="application/json")
 
 
 def create_app(state: ServingState) -> Quart:
@@ -93,8 +100,12 @@ def create_app(state: ServingState) -> Quart:
             response.headers["traceparent"] = trace.traceparent
         for k, v in getattr(g, "extra_headers", {}).items():
             response.headers.setdefault(k, v)
-        state.metrics.http.labels(request.path if request.path.startswith("/v1/") else "other",
-                                  str(response.status_code)).inc()
+        # Label by the matched route, never the raw path: anyone can send any path, and each
+        # distinct label value would be a new Prometheus series.
+        rule = request.url_rule
+        endpoint = ("unmatched" if rule is None
+                    else rule.rule if rule.rule.startswith("/v1/") else "other")
+        state.metrics.http.labels(endpoint, str(response.status_code)).inc()
         return response
 
     def shutting_down(message: str) -> ApiError:
@@ -184,6 +195,7 @@ def create_app(state: ServingState) -> Quart:
         trace: TraceContext = g.trace
         principal: Principal | None = None
         model: str | None = None
+        reservation: Reservation | None = None
         try:
             if state.draining:
                 raise shutting_down("server shutting down")
@@ -191,9 +203,7 @@ def create_app(state: ServingState) -> Quart:
             try:
                 g.extra_headers.update(state.limiter.check(principal.tenant, principal.tier))
             except RateLimited as e:
-                state.metrics.rejections.labels(e.code).inc()
-                raise ApiError(429, str(e), None, e.code, {
-                    **e.headers, "Retry-After": str(max(1, math.ceil(e.retry_after)))}) from None
+                raise rate_limited(e) from None
             try:
                 raw = await request.get_data(cache=False, as_text=False)
             except HTTPException as e:
@@ -208,6 +218,13 @@ def create_app(state: ServingState) -> Quart:
             group, prompts = route(parsed, principal)
             model = group.id
             sampling = sampling_params(parsed, group, prompts)
+            try:  # hold the most it can use, so that requests in flight together cannot
+                # overshoot the tenant's limits (gateway/ratelimit.py)
+                reservation = state.limiter.reserve(
+                    principal.tenant, principal.tier,
+                    sum(len(p) for p in prompts) + len(prompts) * parsed.n * sampling.max_tokens)
+            except RateLimited as e:
+                raise rate_limited(e) from None
             if not group.ready:
                 raise ApiError(503, f"model {group.id!r} is still warming up", None,
                                "model_not_ready", {"Retry-After": "5"})
@@ -221,16 +238,16 @@ def create_app(state: ServingState) -> Quart:
         except ApiError as e:
             if e.status == 400:
                 state.metrics.rejections.labels("invalid_request").inc()
-            if state.audit is not None:
-                state.audit.write({
-                    "ts": round(time.time(), 3), "request_id": trace.request_id,
-                    "trace_id": trace.trace_id,
-                    "tenant": principal.tenant if principal else None,
-                    "tier": principal.tier.name.lower() if principal else None,
-                    "model": model, "endpoint": request.path, "status": e.status,
-                    "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
-                    "latency_s": round(time.monotonic() - arrived, 4), "error": e.code})
+            if reservation is not None:
+                state.limiter.settle(reservation, 0)
+            audit_unserved(arrived, principal, model, e.status, e.code)
             return error_response(e)
+        except BaseException as e:
+            # The client went away (queued in admission, say) or a bug: still one audit line.
+            if reservation is not None:
+                state.limiter.settle(reservation, 0)
+            audit_unserved(arrived, principal, model, *ended_by(e))
+            raise
         if parsed.model == "auto":
             g.extra_headers[ROUTED_HEADER] = group.id
         audit_extra: dict[str, Any] = {"user": parsed.user} if parsed.user else {}
@@ -238,9 +255,12 @@ def create_app(state: ServingState) -> Quart:
             audit_extra["prompt"] = parsed.messages if kind == "chat" else parsed.prompts
         try:
             gen = Generation(state, group, principal, trace, request.path, ticket, arrived,
-                             prompts, parsed.n, sampling, parsed.priority, audit_extra)
-        except BaseException:
+                             prompts, parsed.n, sampling, parsed.priority, audit_extra,
+                             reservation)
+        except BaseException as e:
             group.admission.release(ticket)
+            state.limiter.settle(reservation, 0)
+            audit_unserved(arrived, principal, model, *ended_by(e))
             raise
         # Safety net: a client gone before a streamed body starts never runs the generator's
         # `finally`; when this request's task ends, close whatever is still open.
@@ -250,6 +270,33 @@ def create_app(state: ServingState) -> Quart:
         if parsed.stream:
             return stream_response(gen, parsed)
         return await full_response(gen, parsed)
+
+    def rate_limited(e: RateLimited) -> ApiError:
+        state.metrics.rejections.labels(e.code).inc()
+        return ApiError(429, str(e), None, e.code, {
+            **e.headers, "Retry-After": str(max(1, math.ceil(e.retry_after)))})
+
+    def ended_by(e: BaseException) -> tuple[int, str]:
+        """(status, code) for the audit line of a request ended by an exception that is not
+        an ApiError: 499 when the client went away (its task was cancelled, or its stream
+        closed), else 500 (the server failed)."""
+        if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+            return 499, "client_disconnected"
+        return 500, "internal_error"
+
+    def audit_unserved(arrived: float, principal: Principal | None, model: str | None,
+                       status: int, code: str | None) -> None:
+        """The audit line of a request that ended before its Generation existed."""
+        if state.audit is None:
+            return
+        trace: TraceContext = g.trace
+        state.audit.write({
+            "ts": round(time.time(), 3), "request_id": trace.request_id,
+            "trace_id": trace.trace_id, "tenant": principal.tenant if principal else None,
+            "tier": principal.tier.name.lower() if principal else None, "model": model,
+            "endpoint": request.path, "status": status, "prompt_tokens": 0,
+            "completion_tokens": 0, "cached_tokens": 0,
+            "latency_s": round(time.monotonic() - arrived, 4), "error": code})
 
     def _close_orphan(gen: Generation) -> None:
         if not gen.closed:
@@ -309,7 +356,7 @@ def create_app(state: ServingState) -> Quart:
         if parsed.max_tokens is None:
             max_tokens = room if parsed.kind == "chat" else min(16, room)
         elif parsed.max_tokens > room:
-            name = "max_tokens"
+            name = parsed.max_tokens_param
             raise ApiError(400, f"'{name}' is too large: {parsed.max_tokens} > {room} (this "
                                 f"model's maximum context length is {limit} tokens and the "
                                 f"prompt has {longest})", name, "context_length_exceeded")
@@ -348,8 +395,8 @@ def create_app(state: ServingState) -> Quart:
             async for c, ev in gen.events():
                 lps[c.index].extend(ev.logprobs)
             err = settle_status(gen)
-        except BaseException:
-            gen.status = 499  # client went away: close() aborts the engine requests
+        except BaseException as e:
+            gen.status = ended_by(e)[0]  # close() aborts the engine requests
             raise
         finally:
             await gen.close()
@@ -408,7 +455,6 @@ def create_app(state: ServingState) -> Quart:
             return {"index": c.index, "text": ev.text, "logprobs": lp, "finish_reason": fr}
 
         async def sse() -> Any:
-            done = False
             try:
                 if chat:
                     yield chunk([{"index": c.index, "delta": {"role": "assistant",
@@ -428,10 +474,10 @@ def create_app(state: ServingState) -> Quart:
                     yield chunk([], usage_dict(u.prompt_tokens, u.completion_tokens,
                                                u.cached_tokens))
                 yield "data: [DONE]\n\n"
-                done = True
+            except BaseException as e:
+                gen.status = ended_by(e)[0]
+                raise
             finally:
-                if not done:
-                    gen.status = 499
                 await gen.close()
 
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -68,6 +68,7 @@ class ParsedRequest:
     messages: list[dict[str, Any]] = field(default_factory=list)   # chat
     prompts: list[str | list[int]] = field(default_factory=list)   # completion
     max_tokens: int | None = None     # None: fill the context (chat) / 16 (completion)
+    max_tokens_param: str = "max_tokens"  # the field the client set it with, for errors
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -160,6 +161,12 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ApiError(400, f"Request body is not valid JSON: {e.msg} at line {e.lineno} "
                             f"column {e.colno}", None, "invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "Request body is not valid JSON: nested too deeply", None,
+                       "invalid_json") from None
+    except ValueError as e:  # an integer literal over sys.get_int_max_str_digits() digits
+        raise ApiError(400, f"Request body is not valid JSON: {e}", None,
+                       "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "Request body must be a JSON object", None, "invalid_json")
     return body
@@ -265,6 +272,8 @@ def parse_chat(body: dict[str, Any], max_n: int) -> ParsedRequest:
     mt = _int(body, "max_tokens", 1)
     mct = _int(body, "max_completion_tokens", 1)
     p.max_tokens = mct if mct is not None else mt
+    if mct is not None:
+        p.max_tokens_param = "max_completion_tokens"
     lp = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, 20)
     if top is not None and not lp:

@@ -7,7 +7,8 @@ engine requests with the bookkeeping that must happen however it ends.
                            resubmitted to a live one
     Generation.events() -> (choice index, EngineEvent) as they come, each stream ending once
     Generation.close()  -> abort unfinished engine requests, release the admission slot,
-                           charge tokens, observe metrics, write the audit line   (exactly once)
+                           settle the tenant's token reservation to what was served,
+                           observe metrics, write the audit line                  (exactly once)
 
 Shutdown (`ServingState.drain`): stop admitting (new requests and /ready answer 503), let the
 running generations finish for up to `server.drain_timeout_s`, then stop the rest through their
@@ -28,7 +29,7 @@ from xlaserve.serving.admission import Ticket
 from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.gateway.audit import AuditLog
 from xlaserve.serving.gateway.auth import Authenticator, Principal
-from xlaserve.serving.gateway.ratelimit import RateLimiter
+from xlaserve.serving.gateway.ratelimit import RateLimiter, Reservation
 from xlaserve.serving.gateway.tracing import TraceContext
 from xlaserve.serving.metrics import EngineSource, Metrics
 from xlaserve.serving.router import ModelGroup, Replica, Router
@@ -111,7 +112,7 @@ class Generation:
     def __init__(self, state: ServingState, group: ModelGroup, principal: Principal,
                  trace: TraceContext, endpoint: str, ticket: Ticket, arrived: float,
                  prompts: list[list[int]], n: int, sampling: SamplingParams, priority: int,
-                 audit_extra: dict[str, Any]):
+                 audit_extra: dict[str, Any], reservation: Reservation):
         self.state = state
         self.group = group
         self.principal = principal
@@ -121,6 +122,7 @@ class Generation:
         self.arrived = arrived
         self.prompts = prompts
         self.audit_extra = audit_extra
+        self.reservation = reservation
         self.status = 200
         self.closed = False
         self.stopped: str | None = None   # why the server stopped it (shutdown), if it did
@@ -237,6 +239,16 @@ class Generation:
                 firsts[c.prompt_index] = c.usage.cached_tokens
         return Usage(prompt, completion, sum(firsts.values()))
 
+    def served_tokens(self) -> int:
+        """What the tenant is charged: nothing when the server failed the request (5xx);
+        otherwise the completion tokens produced plus each prompt the engine ran (one of its
+        choices produced a token or finished)."""
+        if self.status >= 500:
+            return 0
+        ran = {c.prompt_index for c in self.choices
+               if c.token_ids or c.finish_reason in ("stop", "length")}
+        return sum(len(self.prompts[p]) for p in ran) + self.usage().completion_tokens
+
     async def close(self) -> None:
         """Idempotent; safe to call from a cancelled task (the work runs in its own task)."""
         if self.closed:
@@ -272,7 +284,6 @@ class Generation:
             u.prompt_tokens)
         st.metrics.generation_tokens.labels(self.group.id, self.principal.tenant).inc(
             u.completion_tokens)
-        st.limiter.charge(self.principal.tenant, self.principal.tier, u.total_tokens)
         if st.audit is not None:
             st.audit.write({
                 "ts": round(time.time(), 3), "request_id": self.trace.request_id,
@@ -283,3 +294,4 @@ class Generation:
                 "cached_tokens": u.cached_tokens, "latency_s": round(now - self.arrived, 4),
                 "finish_reasons": [c.finish_reason for c in self.choices],
                 "replicas": [c.replica.name for c in self.choices], **self.audit_extra})
+        st.limiter.settle(self.reservation, self.served_tokens())
