@@ -195,8 +195,9 @@ class LLMEngine:
             if reason is None:
                 reason = self.scheduler.length_finish_reason(rid)
                 if reason is not None:
-                    event = EngineEvent(rid, event.token_ids, event.text + state.flush_text(),
-                                        event.logprobs)
+                    tail, stopped = state.flush_text()
+                    reason = "stop" if stopped else reason   # a stop string matched last
+                    event = EngineEvent(rid, event.token_ids, event.text + tail, event.logprobs)
             if reason is None:
                 events.append(event)
                 continue
