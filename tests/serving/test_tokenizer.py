@@ -44,6 +44,17 @@ def test_detokenizer_with_prompt_context_keeps_spaces(tok: Tokenizer) -> None:
     assert text == " forty two, café ☕ ok"
 
 
+@pytest.mark.parametrize("rest", [" there, how are you", ""])
+def test_prompt_ending_inside_a_character_loses_no_text(tok: Tokenizer, rest: str) -> None:
+    ids = tok.encode("Hi 😀" + rest)
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    assert tok.decode(ids[:cut]) == "Hi \ufffd"   # the prompt holds the emoji's first bytes
+    detok = IncrementalDetokenizer(tok, ids[:cut])
+    deltas = [detok.add(i) for i in ids[cut:]] + [detok.flush()]
+    assert deltas[0] == "😀"                        # the first token completes it
+    assert "".join(deltas) == "😀" + rest
+
+
 def test_matches_transformers_gguf_tokenizer(tok: Tokenizer, gguf_file) -> None:
     from transformers import AutoTokenizer
 

@@ -10,6 +10,7 @@ vocabularies are turned into one of those at conversion time
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from datetime import datetime
@@ -192,14 +193,20 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset:self.read_offset])
         text = decode(self.ids[self.prefix_offset:])
-        if len(text) > len(prefix) and (final or not text.endswith("\ufffd")):
-            if not text.startswith(prefix):  # decoding can rewrite earlier text (rare)
+        if not final and text.endswith("\ufffd"):
+            return ""   # an incomplete character: wait for its next bytes
+        if text.startswith(prefix):
+            if len(text) == len(prefix):
                 return ""
             delta = text[len(prefix):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return delta
-        return ""
+        else:
+            # New ids rewrote the window's earlier text: e.g. the prompt ended inside a
+            # character ("\ufffd") that the first generated token completes.  Emit everything
+            # past the part both decodes agree on, so no text is ever lost.
+            delta = text[len(os.path.commonprefix([prefix, text])):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return delta
 
 
 def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> None:

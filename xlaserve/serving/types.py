@@ -22,12 +22,19 @@ class Tier(IntEnum):
     INTERNAL = 2
 
 
+MAX_INT32 = 2 ** 31 - 1   # integer sampling fields travel to the device as int32
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0      # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0                # 0 = off
+    top_k: int = 0                # 0 = off; >= the vocabulary size is off as well
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -41,22 +48,25 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and 0 <= self.temperature <= 100):
             bad("temperature", "must be between 0 and 100")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "must be an integer >= 0 (0 = off)")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_INT32:
+            bad("top_k", f"must be an integer in [0, {MAX_INT32}] (0 = off)")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be between -2 and 2")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", "must be between 0 and 20")
+        if self.logprobs is not None and not (_is_int(self.logprobs)
+                                              and 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer between 0 and 20")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "must be an integer or None")
         if len(self.stop) > 16 or any(not s for s in self.stop):
             bad("stop", "at most 16 non-empty strings")
 

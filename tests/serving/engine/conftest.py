@@ -1,5 +1,6 @@
 """One warmed-up SmolLM2 engine runner shared by the engine tests (warm-up compiles every
-bucket once; engines built on it share the compiled executables)."""
+bucket once; engines built on it share the compiled executables), and a tiny random model with
+the SmolLM2 vocabulary for engine logic that needs no meaningful text (compiles in seconds)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from xlaserve.models.config import ModelConfig
+from xlaserve.models.llama import init_params
 from xlaserve.serving.engine import EngineConfig, LLMEngine
+from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.serving.types import EngineEvent, GenerationRequest
+from xlaserve.sharding.mesh import make_mesh
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -35,6 +40,29 @@ def engine(warm_engine, smollm2) -> LLMEngine:
 def new_engine(warm: LLMEngine, model, **changes) -> LLMEngine:
     config = ENGINE_CONFIG.__class__(**{**ENGINE_CONFIG.__dict__, **changes})
     return LLMEngine(model.params, model.config, model.tokenizer, model.mesh, config,
+                     runner=warm.runner)
+
+
+TINY_CONFIG = ModelConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=1,
+                          num_heads=2, num_kv_heads=1, head_dim=16, eos_token_ids=(2,))
+TINY_ENGINE_CONFIG = EngineConfig(max_model_len=64, block_size=16, num_kv_blocks=32,
+                                  max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=32,
+                                  max_prefill_tokens=32, min_prefill_chunk=16, min_table_width=4,
+                                  max_prefill_rows=2)
+
+
+@pytest.fixture(scope="session")
+def warm_tiny(model_dir) -> LLMEngine:
+    engine = LLMEngine(init_params(TINY_CONFIG, 0, scale=0.5), TINY_CONFIG,
+                       Tokenizer.load(model_dir), make_mesh(), TINY_ENGINE_CONFIG)
+    engine.runner.warmup()
+    return engine
+
+
+def new_tiny_engine(warm: LLMEngine, **changes) -> LLMEngine:
+    """A fresh tiny engine on the shared warmed-up runner; `changes` to TINY_ENGINE_CONFIG."""
+    config = TINY_ENGINE_CONFIG.__class__(**{**TINY_ENGINE_CONFIG.__dict__, **changes})
+    return LLMEngine(warm.runner.params, TINY_CONFIG, warm.tokenizer, warm.runner.mesh, config,
                      runner=warm.runner)
 
 

@@ -51,6 +51,7 @@ CASES = [
     ("chat", {"model": "fake", "messages": CHAT, "temperature": True}, 400, "temperature"),
     ("chat", {"model": "fake", "messages": CHAT, "top_p": 0}, 400, "top_p"),
     ("chat", {"model": "fake", "messages": CHAT, "top_k": -5}, 400, "top_k"),
+    ("chat", {"model": "fake", "messages": CHAT, "top_k": 2 ** 31}, 400, "top_k"),
     ("chat", {"model": "fake", "messages": CHAT, "min_p": 1.5}, 400, "min_p"),
     ("chat", {"model": "fake", "messages": CHAT, "n": 0}, 400, "n"),
     ("chat", {"model": "fake", "messages": CHAT, "n": 1000}, 400, "n"),

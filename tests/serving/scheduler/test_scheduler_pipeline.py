@@ -102,6 +102,32 @@ def test_preempted_with_placeholder_waits_for_update(make: Callable[..., Schedul
     s.abort("B")
 
 
+def test_drop_in_flight_after_a_failed_step(make: Callable[..., Scheduler]) -> None:
+    s = make(num_kv_blocks=5)                               # 4 usable blocks
+    s.add(req("A", 7, max_tokens=4, tier=Tier.PAID))
+    s.add(req("B", list(range(50, 57)), max_tokens=4))
+    p0 = s.schedule(0.0)
+    s.schedule(0.0)
+    assert s.schedule(0.0).preempted == ("B",)             # B waits with two placeholders
+    s.add(req("C", 3, max_tokens=4))                       # waiting, never scheduled
+    # The step's results never come back: the engine ends the running request ...
+    with pytest.raises(ValueError, match=r"running requests \['A'\]: finish them first"):
+        s.drop_in_flight()
+    s.finish("A", "error")
+    s.drop_in_flight()                                     # ... and drops the plans
+    s.check_integrity()
+    assert s.request_state("B").output_token_ids == ()
+    with pytest.raises(ValueError, match="expected step None"):
+        s.update(p0, samples(p0))
+    s.kv_cache.pool.forget_hashes()                        # the device KV is gone too
+    p = s.schedule(0.0)                                    # B prefills its prompt again
+    assert sorted(rows(p)) == [("B", 0, 7, True), ("C", 0, 3, True)]
+    assert s.update(p, samples(p)) == samples(p)
+    s.check_integrity()
+    s.abort("B")
+    s.abort("C")
+
+
 def drive(s: Scheduler, ahead: bool, max_steps: int = 500) -> dict[str, list[int]]:
     """Run to completion; `ahead`: schedule n+1 before updating n. Returns emitted tokens."""
     out: dict[str, list[int]] = {}

@@ -192,11 +192,12 @@ class AsyncEngine:
 
     def _deliver(self, event: EngineEvent) -> None:
         waiter = self._waiters.get(event.request_id)
+        if waiter is None:   # ended already (e.g. by `_recover`): a late abort event
+            return
         if event.finished:
             self._waiters.pop(event.request_id, None)
             self._completed.append(time.monotonic())
-        if waiter is not None:
-            waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, event)
+        waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, event)
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -227,10 +228,27 @@ class AsyncEngine:
                     return
                 log.exception("engine step failed")
                 self.last_error = f"{type(e).__name__}: {e}"
-                events = self.engine.fail_in_flight(self.last_error)
+                events = self._recover(self.last_error)
             self._stats = self._snapshot()
             for event in events:
                 self._deliver(event)
+
+    def _recover(self, error: str) -> list[EngineEvent]:
+        """After a failed step: the engine fails what was in flight.  Should that raise too,
+        every request this engine holds ends with the error (none is left waiting on a step
+        that will not come) and the thread goes on serving new ones."""
+        try:
+            return self.engine.fail_in_flight(error)
+        except Exception:
+            log.exception("recovering from the failed step failed: ending every request")
+        with self._wake:
+            rids = sorted(self._waiters)
+        for rid in rids:
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("abort of %r after a failed recovery failed", rid)
+        return [EngineEvent(rid, finish_reason="error", error=error) for rid in rids]
 
     def _fail_for_good(self, e: BaseException) -> None:
         """A multi-host step failed: end every request with an explicit error, refuse new

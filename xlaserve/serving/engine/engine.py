@@ -69,7 +69,7 @@ class LLMEngine:
         self._free_slots = list(range(engine_config.max_num_seqs, 0, -1))
         self._in_flight: deque[_Launched] = deque()
         self._rng = random.Random(engine_config.seed)
-        self._aborted: list[EngineEvent] = []
+        self._ready: list[EngineEvent] = []   # made, not yet returned by step()
         self.num_steps = 0
 
     # -- requests ------------------------------------------------------------------------------
@@ -97,18 +97,20 @@ class LLMEngine:
         if request_id not in self._outputs:
             return False
         state = self.scheduler.abort(request_id)
-        self._aborted.append(self._final(request_id, "abort", state))
+        self._ready.append(self._final(request_id, "abort", state))
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._in_flight) or bool(self._aborted)
+        return self.scheduler.has_unfinished or bool(self._in_flight) or bool(self._ready)
 
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[EngineEvent]:
-        events, self._aborted = self._aborted, []
+        """One step's events.  When it raises (a device error may surface at launch or only
+        when results are read), the events made so far and the plans in flight stay with the
+        engine for `fail_in_flight`."""
         if self._in_flight and (not self.config.pipelined or self._needs_host_tokens()):
-            events += self._process(self._in_flight.popleft())
+            self._process_oldest()
         plan = self.scheduler.schedule(time.monotonic())
         for rid in plan.preempted:  # recomputed from known tokens: its slot is not needed
             self._release_slot(rid)
@@ -119,7 +121,8 @@ class LLMEngine:
             self.num_steps += 1
         keep = 1 if (self.config.pipelined and not plan.is_empty) else 0
         while len(self._in_flight) > keep:
-            events += self._process(self._in_flight.popleft())
+            self._process_oldest()
+        events, self._ready = self._ready, []
         return events
 
     def run_until_done(self) -> Iterator[EngineEvent]:
@@ -163,7 +166,12 @@ class LLMEngine:
                 part = rows[i:i + most]
                 calls.append((self.runner.run([self._row(r) for r in part], chunk), part))
 
-    def _process(self, launched: _Launched) -> list[EngineEvent]:
+    def _process_oldest(self) -> None:
+        """Read back the oldest step in flight; it leaves `_in_flight` only once processed."""
+        self._process(self._in_flight[0])
+        self._in_flight.popleft()
+
+    def _process(self, launched: _Launched) -> None:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
         for call, rows in launched.calls:
@@ -180,39 +188,40 @@ class LLMEngine:
                     logprobs[row.request_id] = TokenLogprob(int(host["tokens"][i]),
                                                             float(host["logprob"][i]), top)
         live = self.scheduler.update(launched.plan, sampled)
-        events: list[EngineEvent] = []
+        events = self._ready   # appended as made: a later failure still returns them
         for rid, token in live.items():
             state = self._outputs[rid]
             event, reason = state.accept(token, logprobs.get(rid))
             if reason is None:
                 reason = self.scheduler.length_finish_reason(rid)
                 if reason is not None:
-                    event = EngineEvent(rid, event.token_ids, event.text + state.flush_text(),
-                                        event.logprobs)
+                    tail, stopped = state.flush_text()
+                    reason = "stop" if stopped else reason   # a stop string matched last
+                    event = EngineEvent(rid, event.token_ids, event.text + tail, event.logprobs)
             if reason is None:
                 events.append(event)
                 continue
             final = self._final(rid, reason, self.scheduler.finish(rid, reason))
             events.append(EngineEvent(rid, event.token_ids, event.text, event.logprobs,
                                       final.finish_reason, final.usage))
-        return events
 
     def fail_in_flight(self, error: str) -> list[EngineEvent]:
-        """A device step raised, and the donated KV arrays may be gone with it: end every
-        running or in-flight request with an error, forget the prefix cache, and go on from a
-        fresh KV cache.  Waiting requests (holding no blocks) are served afterwards."""
+        """`step()` raised, at launch or when reading results back, and the donated KV arrays
+        may be gone with it: return the events made before the failure, end every running or
+        in-flight request with an error, forget the plans in flight and the prefix cache, and
+        go on from a fresh KV cache.  Waiting requests (holding no blocks) are served
+        afterwards."""
         victims = set(self.scheduler.kv_cache.request_ids())
         for launched in self._in_flight:
             victims.update(r.request_id for r in launched.plan.rows)
-        events = list(self._aborted)
-        self._aborted = []
+        events, self._ready = self._ready, []
         for rid in sorted(victims):
             if rid in self.scheduler:
                 final = self._final(rid, "error", self.scheduler.finish(rid, "error"))
                 events.append(EngineEvent(rid, finish_reason="error", usage=final.usage,
                                           error=error))
-        while self._in_flight:
-            self.scheduler.update(self._in_flight.popleft().plan, {})
+        self._in_flight.clear()
+        self.scheduler.drop_in_flight()
         self.scheduler.kv_cache.pool.forget_hashes()
         self.runner.reset_state()
         return events

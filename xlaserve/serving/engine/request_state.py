@@ -55,13 +55,15 @@ class OutputState:
         self.output_ids.append(token)
         self.counts[token] = self.counts.get(token, 0) + 1
         lps = (logprob,) if logprob is not None else ()
-        if token in self.stop_ids:
-            return EngineEvent(rid, (token,), self.stops.flush() + self.detok.flush(), lps), "stop"
+        if token in self.stop_ids:   # the stop token's own text is not part of the output
+            return EngineEvent(rid, (token,), self.flush_text()[0], lps), "stop"
         text, stopped = self.stops.feed(self.detok.add(token))
         if stopped:
             return EngineEvent(rid, (token,), text, lps), "stop"
         return EngineEvent(rid, (token,), text, lps), None
 
-    def flush_text(self) -> str:
+    def flush_text(self) -> tuple[str, bool]:
+        """At the end of the stream: the text still held back (by the detokenizer, then by the
+        stop-string matcher), cut before a stop string it completes; and whether it did."""
         text, stopped = self.stops.feed(self.detok.flush())
-        return text if stopped else text + self.stops.flush()
+        return (text, True) if stopped else (text + self.stops.flush(), False)

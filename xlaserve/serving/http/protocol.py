@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from xlaserve.serving.types import TokenLogprob
+from xlaserve.serving.types import MAX_INT32, TokenLogprob
 
 
 class ApiError(Exception):
@@ -212,7 +212,7 @@ def _parse_common(body: dict[str, Any], kind: str, max_n: int) -> ParsedRequest:
         v = _float(body, name, lo, hi, lo_open)
         if v is not None:
             s[name] = v
-    top_k = _int(body, "top_k", -1)
+    top_k = _int(body, "top_k", -1, MAX_INT32)
     if top_k is not None:
         s["top_k"] = max(top_k, 0)  # -1 (vLLM) and 0 both mean off
     seed = _int(body, "seed", -(2 ** 63), 2 ** 63 - 1 - 64)  # int64, room for seed + choice

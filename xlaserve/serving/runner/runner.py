@@ -286,7 +286,7 @@ class ModelRunner:
         if (r, t, w) not in self._compiled:
             raise RuntimeError(f"bucket (rows={r}, tokens={t}, width={w}) was not compiled in "
                                f"warm-up; compiled: {len(self._compiled)} buckets")
-        bs = self.block_size
+        bs, vocab = self.block_size, self.config.vocab_size
         tokens = np.zeros((r, t), np.int32)
         positions = np.zeros((r, t), np.int32)
         slots = np.zeros((r, t), np.int32)          # padding tokens write the null block
@@ -322,7 +322,8 @@ class ModelRunner:
             row_slot[i] = row.slot
             sample_mask[i] = row.sample
             s = row.sampling
-            temperature[i], top_k[i], top_p[i], min_p[i] = s.temperature, s.top_k, s.top_p, s.min_p
+            temperature[i], top_p[i], min_p[i] = s.temperature, s.top_p, s.min_p
+            top_k[i] = 0 if s.top_k >= vocab else s.top_k   # keeps every token: off (int32)
             seed[i], counter[i] = s.seed & 0xFFFFFFFF, s.counter
             if s.bias is not None:
                 if bias is None:

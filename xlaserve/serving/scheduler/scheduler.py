@@ -36,7 +36,9 @@ Alternating schedule(n), update(n), schedule(n+1) never feeds a placeholder. If 
 S after update(0) (eos, stop string) while step 1 already holds S's row, finish() frees S's
 blocks at once: step 1's extra row still writes into them on device, but only plans built later
 can reuse them and the device runs those later; update(1) then drops S's sample. A preempted
-sequence with a placeholder is not re-admitted until update() fills it in.
+sequence with a placeholder is not re-admitted until update() fills it in. When a step fails,
+its samples never come: the engine ends the running requests and `drop_in_flight()` forgets
+every plan not yet updated.
 
 Prefix-cache hits are registered between steps (start of `schedule`, preemption, finish), so a
 hit always reads KV that an earlier device step wrote.
@@ -202,6 +204,18 @@ class Scheduler:
             assert tokens[row.sample_position] == PENDING_TOKEN, (rid, row.sample_position)
             tokens[row.sample_position] = sampled[rid]
         return {rid: sampled[rid] for rid in live}
+
+    def drop_in_flight(self) -> None:
+        """Forget every plan not yet updated: its samples are lost (a failed device step).
+        Waiting sequences lose their placeholders and will sample those positions again.
+        The caller has ended every running request first (their KV is gone with the step);
+        afterwards `check_integrity()` holds and `update` expects the next plan made."""
+        if self._running:
+            raise ValueError(f"drop_in_flight with running requests {sorted(self._running)}: "
+                             "finish them first, their cache state is lost")
+        self._in_flight.clear()
+        for seq in self._seqs.values():
+            del seq.all_token_ids[seq.num_known_tokens:]
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, draft: _Draft, now: float) -> bool:
         """Reserve slots for n more tokens of running `seq`, preempting the lowest-priority,
