@@ -14,6 +14,7 @@ B * (longest prompt + k - 1) positions, of which request i owns len(prompt_i) + 
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -83,11 +84,16 @@ def _generate(model: Any, batch: tuple[BenchRequest, ...], pad_id: int, clock: C
         def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
             return recorder(input_ids, scores, **kwargs)
 
+    # EOS is an ordinary token here, as for the engine (`ignore_eos`): no EOS stops a row.
+    # (`min_new_tokens` would instead forbid EOS and change the greedy text; None would fall
+    # back to the model's own EOS, so the list is empty.)
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = []
+    config.max_new_tokens, config.do_sample, config.num_beams = longest, False, 1
+    config.pad_token_id = pad_id
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
-                             min_new_tokens=longest, do_sample=False, num_beams=1,
-                             pad_token_id=pad_id, stopping_criteria=StoppingCriteriaList(
-                                 [Recorder()]))
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                             stopping_criteria=StoppingCriteriaList([Recorder()]))
     return out[:, longest_prompt:], recorder.times, longest
 
 
