@@ -18,7 +18,8 @@ def run_decode(case, **kw):
     args = (case.q[:, 0], case.k_cache, case.v_cache, case.layer, case.block_tables,
             case.kv_lens)
     out = paged_attention(*args, scale=case.scale, interpret=True, **kw)
-    ref = paged_attention_reference(*args, scale=case.scale, soft_cap=kw.get("soft_cap"))
+    ref = paged_attention_reference(*args, scale=case.scale, soft_cap=kw.get("soft_cap"),
+                                    sliding_window=kw.get("sliding_window"))
     return out, ref
 
 
@@ -109,3 +110,28 @@ def test_decode_gpu_shape_rules_name_the_values():
     args = valid_inputs()
     with pytest.raises(ValueError, match="pages_per_block must be a power of two, got 3"):
         paged_attention(**args, scale=0.3, pages_per_block=3)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 200])
+def test_decode_sliding_window(window):
+    """The newest `window` positions only: windows of one position, inside a block, exactly a
+    block, across a block boundary, and wider than every row (== no window). Splits whose
+    pages all lie before the window contribute nothing."""
+    kv_lens = [1, 16, 40, 63, 0]
+    case = make_case(window, q_lens=[1 if n else 0 for n in kv_lens],
+                     prefixes=[max(n - 1, 0) for n in kv_lens], chunk=1, heads=6, kv_heads=2,
+                     head_dim=16, block_size=8, dtype=jnp.float32)
+    out, ref = run_decode(case, sliding_window=window, pages_per_block=1, k_splits=3)
+    assert rel_error(out, ref) < 1e-5
+    full = run_decode(case, k_splits=1)[1]
+    differs = rel_error(ref, full) > 1e-3
+    assert differs == (window < 63)  # the window hides keys of the longest row
+
+
+def test_sliding_window_must_be_positive():
+    case = make_case(3, q_lens=[1], prefixes=[4], chunk=1, heads=2, kv_heads=2, head_dim=8,
+                     block_size=8, dtype=jnp.float32)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=f"sliding_window must be a positive int or None, "
+                                             f"got {bad!r}"):
+            run_decode(case, sliding_window=bad)

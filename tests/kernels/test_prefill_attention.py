@@ -16,7 +16,8 @@ def run_prefill(case, **kw):
     args = (case.q, case.k_cache, case.v_cache, case.layer, case.block_tables, case.q_lens,
             case.kv_lens)
     out = prefill_attention(*args, scale=case.scale, interpret=True, **kw)
-    ref = prefill_attention_reference(*args, scale=case.scale, soft_cap=kw.get("soft_cap"))
+    ref = prefill_attention_reference(*args, scale=case.scale, soft_cap=kw.get("soft_cap"),
+                                      sliding_window=kw.get("sliding_window"))
     return out, ref
 
 
@@ -62,6 +63,17 @@ def test_prefill_small_tiles_and_soft_cap():
     for soft_cap in (None, 1.5):
         out, ref = run_prefill(case, soft_cap=soft_cap, block_q=2, pages_per_block=1)
         check(case, out, ref, jnp.float32)
+
+
+@pytest.mark.parametrize("window", [1, 7, 8, 30])
+def test_prefill_sliding_window(window):
+    """Chunks after a prefix and from position 0, several query tiles: every query sees the
+    last `window` positions up to itself, across chunk and block boundaries."""
+    case = make_case(20 + window, q_lens=[12, 5, 12], prefixes=[21, 3, 0], chunk=12, heads=6,
+                     kv_heads=2, head_dim=16, block_size=8, dtype=jnp.float32)
+    out, ref = run_prefill(case, sliding_window=window, block_q=4, pages_per_block=1)
+    check(case, out, ref, jnp.float32)
+    assert rel_error(ref, run_prefill(case)[1]) > 1e-3  # the window hides keys
 
 
 def valid_inputs():

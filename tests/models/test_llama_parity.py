@@ -1,5 +1,6 @@
 """The JAX model against Hugging Face transformers on tiny random Llama-family models:
-GQA, tied and separate output embeddings, llama3 RoPE scaling, Mistral, chunked prefill."""
+GQA, tied and separate output embeddings, llama3 RoPE scaling, Mistral (with and without a
+sliding window), chunked prefill, token-by-token decode."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ VARIANTS = {
                                               "original_max_position_embeddings": 64}),
     "mistral-mha": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=4,
                         tie_word_embeddings=False),
+    # Mistral 7B v0.1's sliding window, shrunk: 150 tokens see past a 24-token window.
+    "mistral-sliding-window": dict(model_type="mistral", num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=False,
+                                   sliding_window=24),
 }
 
 
@@ -55,6 +60,15 @@ def test_logits_match_transformers(name: str, tmp_path) -> None:
     # The same sequence prefilled in chunks of 37 through the paged cache.
     chunked = full_logits(model.params, model.config, ids, chunk=37)
     assert max_rel_error(chunked, ref) < 1e-5
+    if VARIANTS[name].get("sliding_window"):
+        assert model.config.sliding_window == 24
+        # Token by token: the decode path, its window ending at the newest token.
+        decoded = full_logits(model.params, model.config, ids, chunk=1)
+        assert max_rel_error(decoded, ref) < 1e-5
+        # Without the window the logits past it differ: the window is really applied.
+        full = full_logits(model.params, model.config.replace(sliding_window=None), ids)
+        assert max_rel_error(full[24:], ref[24:]) > 1e-2
+        assert max_rel_error(full[:24], ref[:24]) < 1e-5
 
 
 def _has_tokenizer(path) -> bool:

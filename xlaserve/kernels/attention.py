@@ -63,24 +63,30 @@ def paged_attention(
     *,
     scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
     backend: str = "reference",
 ) -> jax.Array:               # [B, T, H, D]
     """Decode (T == 1) and chunked prefill (T > 1) through one entry point.
 
-    For T == 1, a row with q_lens == 0 is padding: it comes out as zeros like in prefill."""
+    For T == 1, a row with q_lens == 0 is padding: it comes out as zeros like in prefill.
+    `sliding_window` (Mistral): each query sees only the last that many positions."""
     backend = resolve_backend(backend)
     interpret = jax.default_backend() == "cpu"
     args = (k_cache, v_cache, layer, block_tables)
+    window = {"sliding_window": sliding_window}
     if q.shape[1] == 1:
         # The decode ops treat kv_len == 0 as padding; fold q_lens in so both agree.
         lens = kv_lens * (q_lens > 0).astype(kv_lens.dtype)
         if backend == "reference":
             out = decode_op.paged_attention_reference(q[:, 0], *args, lens, scale=scale,
-                                                      soft_cap=soft_cap)
+                                                      soft_cap=soft_cap, **window)
         elif backend == "pallas":
             out = decode_op.paged_attention(q[:, 0], *args, lens, scale=scale,
-                                            soft_cap=soft_cap, interpret=interpret)
+                                            soft_cap=soft_cap, interpret=interpret, **window)
         else:
+            if sliding_window is not None:
+                raise ValueError("attention_backend 'triton' has no sliding-window decode "
+                                 f"(sliding_window={sliding_window}); use 'pallas'")
             from xlaserve.kernels.triton import paged_attention as triton_op
 
             out = triton_op.paged_attention(q[:, 0], *args, lens, scale=scale,
@@ -88,6 +94,6 @@ def paged_attention(
         return out[:, None]
     if backend == "reference":
         return prefill_op.prefill_attention_reference(q, *args, q_lens, kv_lens, scale=scale,
-                                                      soft_cap=soft_cap)
+                                                      soft_cap=soft_cap, **window)
     return prefill_op.prefill_attention(q, *args, q_lens, kv_lens, scale=scale,
-                                        soft_cap=soft_cap, interpret=interpret)
+                                        soft_cap=soft_cap, interpret=interpret, **window)

@@ -32,7 +32,8 @@ from jax.experimental import pallas as pl
 from xlaserve.kernels import flash
 from xlaserve.kernels.prefill_attention import prefill_attention_reference
 from xlaserve.kernels.validation import (check_block_tables, check_cache, check_int_vector,
-                                         check_lengths, check_q_heads, next_pow2, round_up)
+                                         check_lengths, check_q_heads, check_sliding_window,
+                                         next_pow2, round_up)
 
 # Programs to aim for when choosing the number of splits: a couple of waves on a 132-SM H200.
 TARGET_PROGRAMS = 264
@@ -51,6 +52,7 @@ def paged_attention_kernel(
     *,
     scale: float,
     soft_cap: float | None,
+    sliding_window: int | None,
     pages_per_block: int,
     pages_per_split: int,
 ):
@@ -63,6 +65,8 @@ def paged_attention_kernel(
     num_pages = pl.cdiv(kv_len, bs)
     first = split * pages_per_split
     last = jnp.minimum(first + pages_per_split, num_pages)
+    if sliding_window is not None:  # pages wholly before the window are never read
+        first = jnp.maximum(first, jnp.maximum(kv_len - sliding_window, 0) // bs)
     steps = pl.cdiv(jnp.maximum(last - first, 0), pages_per_block)
     q = q_ref[...]                                                            # [Gp, D]
 
@@ -73,7 +77,10 @@ def paged_attention_kernel(
         v = flash.load_kv_pages(block_table_ref, v_ref, layer, kv_head, page, num_pages,
                                 pages_per_block)
         key_pos = page * bs + jnp.arange(block_k, dtype=jnp.int32)            # [block_k]
-        mask = jnp.broadcast_to((key_pos < kv_len)[None, :], (q.shape[0], block_k))
+        visible = key_pos < kv_len
+        if sliding_window is not None:  # the query sits at kv_len - 1
+            visible &= key_pos >= kv_len - sliding_window
+        mask = jnp.broadcast_to(visible[None, :], (q.shape[0], block_k))
         return flash.online_softmax_update(carry, q, k, v, mask, scale=scale, soft_cap=soft_cap)
 
     o, m, l = lax.fori_loop(0, steps, body, flash.init_state(*q.shape))
@@ -106,9 +113,11 @@ def merge_splits(
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "soft_cap", "pages_per_block", "k_splits", "num_warps", "num_stages", "interpret"))
+    "scale", "soft_cap", "sliding_window", "pages_per_block", "k_splits", "num_warps",
+    "num_stages", "interpret"))
 def _paged_attention(q, k_cache, v_cache, layer, block_tables, kv_lens, *, scale, soft_cap,
-                     pages_per_block, k_splits, num_warps, num_stages, interpret):
+                     sliding_window, pages_per_block, k_splits, num_warps, num_stages,
+                     interpret):
     b, h, d = q.shape
     _, _, _, kvh, _ = k_cache.shape
     g = h // kvh
@@ -120,7 +129,8 @@ def _paged_attention(q, k_cache, v_cache, layer, block_tables, kv_lens, *, scale
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
 
     kernel = functools.partial(paged_attention_kernel, scale=scale, soft_cap=soft_cap,
-                               pages_per_block=pages_per_block, pages_per_split=pages_per_split)
+                               sliding_window=sliding_window, pages_per_block=pages_per_block,
+                               pages_per_split=pages_per_split)
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     o, m, l = pl.pallas_call(
         kernel,
@@ -182,6 +192,7 @@ def paged_attention(
     *,
     scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
     pages_per_block: int | None = None,
     k_splits: int | None = None,
     num_warps: int = 4,
@@ -204,6 +215,7 @@ def paged_attention(
     return _paged_attention(q, k_cache, v_cache, layer, block_tables, kv_lens,
                             scale=float(scale),
                             soft_cap=None if soft_cap is None else float(soft_cap),
+                            sliding_window=check_sliding_window(sliding_window),
                             pages_per_block=pages_per_block, k_splits=k_splits,
                             num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
@@ -218,8 +230,10 @@ def paged_attention_reference(
     *,
     scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
 ) -> jax.Array:               # [B, H, D]
     q_lens = (kv_lens > 0).astype(jnp.int32)
     out = prefill_attention_reference(q[:, None], k_cache, v_cache, layer, block_tables,
-                                      q_lens, kv_lens, scale=scale, soft_cap=soft_cap)
+                                      q_lens, kv_lens, scale=scale, soft_cap=soft_cap,
+                                      sliding_window=sliding_window)
     return out[:, 0]

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 
 from xlaserve.kernels import flash
 from xlaserve.kernels.validation import (check_block_tables, check_cache, check_int_vector,
+                                         check_sliding_window,
                                          check_lengths, check_q_heads, next_pow2, round_up)
 
 MASK_VALUE = -1e30
@@ -61,6 +62,7 @@ def prefill_attention_reference(
     *,
     scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
 ) -> jax.Array:               # [B, T, H, D]
     b, t, h, d = q.shape
     kvh = k_cache.shape[3]
@@ -77,6 +79,8 @@ def prefill_attention_reference(
     key_pos = jnp.arange(s)                                            # [S]
     valid = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
         key_pos[None, None, :] < kv_lens[:, None, None])               # [B, T, S]
+    if sliding_window is not None:  # the last `sliding_window` positions, the query's included
+        valid &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     scores = jnp.where(valid[:, None, None], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
@@ -96,6 +100,7 @@ def prefill_attention_kernel(
     *,
     scale: float,
     soft_cap: float | None,
+    sliding_window: int | None,
     pages_per_block: int,
     block_q: int,
     group: int,        # Gp
@@ -127,6 +132,8 @@ def prefill_attention_kernel(
                                 pages_per_block)
         key_pos = page * bs + jnp.arange(block_k, dtype=jnp.int32)            # [block_k]
         mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_len)
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
         return flash.online_softmax_update(carry, q, k, v, mask, scale=scale, soft_cap=soft_cap)
 
     o, _, l = lax.fori_loop(0, steps, body, flash.init_state(rows, q.shape[1]))
@@ -136,9 +143,11 @@ def prefill_attention_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "soft_cap", "pages_per_block", "block_q", "num_warps", "num_stages", "interpret"))
+    "scale", "soft_cap", "sliding_window", "pages_per_block", "block_q", "num_warps",
+    "num_stages", "interpret"))
 def _prefill_attention(q, k_cache, v_cache, layer, block_tables, q_lens, kv_lens, *, scale,
-                       soft_cap, pages_per_block, block_q, num_warps, num_stages, interpret):
+                       soft_cap, sliding_window, pages_per_block, block_q, num_warps, num_stages,
+                       interpret):
     b, t, h, d = q.shape
     kvh = k_cache.shape[3]
     g = h // kvh
@@ -153,7 +162,8 @@ def _prefill_attention(q, k_cache, v_cache, layer, block_tables, q_lens, kv_lens
     rows = block_q * gp
 
     kernel = functools.partial(prefill_attention_kernel, scale=scale, soft_cap=soft_cap,
-                               pages_per_block=pages_per_block, block_q=block_q, group=gp)
+                               sliding_window=sliding_window, pages_per_block=pages_per_block,
+                               block_q=block_q, group=gp)
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     out = pl.pallas_call(
         kernel,
@@ -208,6 +218,7 @@ def prefill_attention(
     *,
     scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
     pages_per_block: int | None = None,
     block_q: int | None = None,
     num_warps: int = 4,
@@ -232,5 +243,6 @@ def prefill_attention(
     return _prefill_attention(q, k_cache, v_cache, layer, block_tables, q_lens, kv_lens,
                               scale=float(scale),
                               soft_cap=None if soft_cap is None else float(soft_cap),
+                              sliding_window=check_sliding_window(sliding_window),
                               pages_per_block=pages_per_block, block_q=block_q,
                               num_warps=num_warps, num_stages=num_stages, interpret=interpret)

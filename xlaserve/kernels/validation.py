@@ -94,6 +94,18 @@ def check_lengths(kv_lens: jax.Array, capacity: int, q_lens: jax.Array | None = 
                          f"q_lens={q.tolist()} kv_lens={kv.tolist()}")
 
 
+def check_sliding_window(sliding_window: int | None) -> int | None:
+    """None (full causal attention) or a positive int: each query sees that many positions,
+    its own included."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or (
+            sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got "
+                         f"{sliding_window!r}")
+    return sliding_window
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

@@ -40,6 +40,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = (2,)
     architecture: str = "llama"
     dtype: str = "float32"
+    sliding_window: int | None = None  # Mistral: attend to the last this many positions
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +55,11 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.architecture!r}; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.sliding_window is not None and (
+                isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
+                or self.sliding_window < 1):
+            raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got "
+                             f"{self.sliding_window!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -110,6 +116,10 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         eos = hf.get("eos_token_id", 2)
         scaling = _rope_scaling_from_hf(hf.get("rope_scaling") or hf.get("rope_parameters"))
+        max_pos = hf.get("max_position_embeddings", 4096)
+        # A window no shorter than the context never hides a position: plain causal attention.
+        window = hf.get("sliding_window") if model_type == "mistral" else None
+        window = None if window is None or window >= max_pos else int(window)
         theta = hf.get("rope_theta")
         if theta is None and isinstance(hf.get("rope_parameters"), dict):
             theta = hf["rope_parameters"].get("rope_theta")
@@ -124,12 +134,13 @@ class ModelConfig:
             rope_theta=float(theta or 10000.0),
             rope_scaling=scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
             architecture=model_type,
             dtype=dtype,
+            sliding_window=window,
         )
 
 

@@ -157,7 +157,7 @@ def decoder_layer(
     v_flat = v_flat.at[dest].set(v.reshape(b * t, kvh, d).astype(v_flat.dtype), mode="drop")
     attn = attend(q, k_flat.reshape(cache_shape), v_flat.reshape(cache_shape), i,
                   meta.block_tables, meta.q_lens, meta.kv_lens, scale=d ** -0.5,
-                  backend=attention_backend)                           # [B, T, H, D]
+                  sliding_window=c.sliding_window, backend=attention_backend)  # [B, T, H, D]
     # wo as a [H*D, E] matrix: contracting one merged axis keeps XLA from transposing the
     # weight (a copy of it every step) to match the activation's head order.
     b, t, h, d = attn.shape

@@ -183,7 +183,7 @@ def _embed(table: jax.Array,   # [V/tp, E] this shard's vocabulary rows
 def _attend_with_replicated_kv(num_heads: int, q: jax.Array, k_cache: jax.Array,
                                v_cache: jax.Array, layer: jax.Array, block_tables: jax.Array,
                                q_lens: jax.Array, kv_lens: jax.Array, *, scale: float,
-                               backend: str) -> jax.Array:
+                               sliding_window: int | None, backend: str) -> jax.Array:
     """Attention for this shard's query heads when every shard holds all KV heads.
 
     q: [B, T, H/tp, D] holds global heads [s*H/tp, (s+1)*H/tp).  The heads are put back at
@@ -196,7 +196,8 @@ def _attend_with_replicated_kv(num_heads: int, q: jax.Array, k_cache: jax.Array,
     full = jnp.zeros((b, t, num_heads, d), q.dtype)
     full = lax.dynamic_update_slice_in_dim(full, q, start, axis=2)
     out = paged_attention(full, k_cache, v_cache, layer, block_tables, q_lens, kv_lens,
-                          scale=scale, backend=backend)                  # [B, T, H, D]
+                          scale=scale, sliding_window=sliding_window,
+                          backend=backend)                               # [B, T, H, D]
     return lax.dynamic_slice_in_dim(out, start, local, axis=2)
 
 
