@@ -1,0 +1,16 @@
+"""The decode floor counts the bytes a batch-1 step reads."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from xlaserve.bench.roofline import decode_read_bytes, param_bytes
+
+
+def test_untied_input_embedding_is_read_one_row_per_step() -> None:
+    layers = {"w": np.zeros((2, 8, 8), np.float32)}                 # 512 bytes
+    tied = {"embed": np.zeros((100, 8), np.float32), "layers": layers}
+    untied = {**tied, "lm_head": np.zeros((8, 100), np.float32)}
+    assert decode_read_bytes(tied) == param_bytes(tied) == 3200 + 512
+    assert param_bytes(untied) == 2 * 3200 + 512
+    assert decode_read_bytes(untied) == 3200 + 512 + 8 * 4          # lm_head + one embed row
