@@ -105,3 +105,20 @@ def test_prefill_rejects_bad_tile():
     with pytest.raises(ValueError, match="block_q a power of two, got 1, 3"):
         prefill_attention(**valid_inputs(), scale=0.3, interpret=True, pages_per_block=1,
                           block_q=3)
+
+
+def test_soft_cap_must_be_positive():
+    """A cap of 0 would divide by zero (NaN logits): refused by both Pallas kernels."""
+    from xlaserve.kernels.paged_attention import paged_attention
+
+    case = make_case(5, q_lens=[2], prefixes=[3], chunk=2, heads=2, kv_heads=2, head_dim=8,
+                     block_size=8, dtype=jnp.float32)
+    args = (case.k_cache, case.v_cache, case.layer, case.block_tables)
+    for bad in (0.0, -1.0, True):
+        with pytest.raises(ValueError, match=f"soft_cap must be a positive number or None, "
+                                             f"got {bad!r}"):
+            prefill_attention(case.q, *args, case.q_lens, case.kv_lens, scale=1.0,
+                              soft_cap=bad, interpret=True)
+        with pytest.raises(ValueError, match="soft_cap must be a positive number"):
+            paged_attention(case.q[:, 0], *args, case.kv_lens, scale=1.0, soft_cap=bad,
+                            interpret=True)

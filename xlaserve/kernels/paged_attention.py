@@ -33,7 +33,7 @@ from xlaserve.kernels import flash
 from xlaserve.kernels.prefill_attention import prefill_attention_reference
 from xlaserve.kernels.validation import (check_block_tables, check_cache, check_int_vector,
                                          check_lengths, check_q_heads, check_sliding_window,
-                                         next_pow2, round_up)
+                                         check_soft_cap, next_pow2, round_up)
 
 # Programs to aim for when choosing the number of splits: a couple of waves on a 132-SM H200.
 TARGET_PROGRAMS = 264
@@ -214,7 +214,7 @@ def paged_attention(
         k_splits = default_splits(b, kvh, block_tables.shape[1], pages_per_block, interpret)
     return _paged_attention(q, k_cache, v_cache, layer, block_tables, kv_lens,
                             scale=float(scale),
-                            soft_cap=None if soft_cap is None else float(soft_cap),
+                            soft_cap=check_soft_cap(soft_cap),
                             sliding_window=check_sliding_window(sliding_window),
                             pages_per_block=pages_per_block, k_splits=k_splits,
                             num_warps=num_warps, num_stages=num_stages, interpret=interpret)

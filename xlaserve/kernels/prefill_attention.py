@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 
 from xlaserve.kernels import flash
 from xlaserve.kernels.validation import (check_block_tables, check_cache, check_int_vector,
-                                         check_sliding_window,
+                                         check_sliding_window, check_soft_cap,
                                          check_lengths, check_q_heads, next_pow2, round_up)
 
 MASK_VALUE = -1e30
@@ -242,7 +242,7 @@ def prefill_attention(
         check_triton_shapes(k_cache, pages_per_block)
     return _prefill_attention(q, k_cache, v_cache, layer, block_tables, q_lens, kv_lens,
                               scale=float(scale),
-                              soft_cap=None if soft_cap is None else float(soft_cap),
+                              soft_cap=check_soft_cap(soft_cap),
                               sliding_window=check_sliding_window(sliding_window),
                               pages_per_block=pages_per_block, block_q=block_q,
                               num_warps=num_warps, num_stages=num_stages, interpret=interpret)

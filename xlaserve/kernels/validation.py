@@ -94,6 +94,16 @@ def check_lengths(kv_lens: jax.Array, capacity: int, q_lens: jax.Array | None = 
                          f"q_lens={q.tolist()} kv_lens={kv.tolist()}")
 
 
+def check_soft_cap(soft_cap: float | None) -> float | None:
+    """None (no cap) or a positive float: logits become soft_cap * tanh(logits / soft_cap)."""
+    if soft_cap is None:
+        return None
+    if isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not (
+            soft_cap > 0):
+        raise ValueError(f"soft_cap must be a positive number or None, got {soft_cap!r}")
+    return float(soft_cap)
+
+
 def check_sliding_window(sliding_window: int | None) -> int | None:
     """None (full causal attention) or a positive int: each query sees that many positions,
     its own included."""

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from xlaserve.kernels.paged_attention import (check_decode_inputs, check_triton_shapes,
                                               default_splits, merge_splits,
                                               paged_attention_reference)
-from xlaserve.kernels.validation import next_pow2, round_up
+from xlaserve.kernels.validation import check_soft_cap, next_pow2, round_up
 
 __all__ = ["paged_attention", "paged_attention_reference"]
 
@@ -81,8 +81,7 @@ def paged_attention(
     _, _, bs, kvh, _ = k_cache.shape
     if pages_per_block is None:
         pages_per_block = max(1, 128 // bs)
-    if soft_cap is not None and soft_cap <= 0:
-        raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    soft_cap = check_soft_cap(soft_cap)
     check_triton_shapes(k_cache, pages_per_block)
     if k_splits is None:
         k_splits = default_splits(q.shape[0], kvh, block_tables.shape[1], pages_per_block,
