@@ -11,6 +11,7 @@ import pytest
 
 from xlaserve.checkpoints.convert import convert_gguf, convert_hf
 from xlaserve.checkpoints.errors import CheckpointError
+from xlaserve.checkpoints.store import atomic_folder
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -91,3 +92,69 @@ def test_refuses_to_overwrite(tmp_path: Path) -> None:
     out.mkdir()
     with pytest.raises(CheckpointError, match="already exists"):
         convert_hf(tmp_path, out, quiet=True)
+
+
+def _old_model(tmp_path: Path) -> Path:
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text("OLD")
+    return out
+
+
+def _no_swap_leftovers(out: Path) -> None:
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+
+
+def test_overwrite_swaps_in_the_new_folder(tmp_path: Path) -> None:
+    out = _old_model(tmp_path)
+    with atomic_folder(out, overwrite=True) as tmp:
+        (tmp / "config.json").write_text("NEW")
+    assert (out / "config.json").read_text() == "NEW"
+    _no_swap_leftovers(out)
+
+
+def test_failed_swap_keeps_the_old_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rename that fails (or a Ctrl-C) while the new folder is moved into place: the old
+    model must come back intact and no temporary folder stay behind.  The failure is injected
+    at os.replace because a real rename failure cannot be produced portably."""
+    import os
+
+    from xlaserve.checkpoints import store
+
+    real_replace = os.replace
+
+    def replace(a, b):
+        if Path(a).name.startswith(".model.tmp-"):
+            raise KeyboardInterrupt("simulated Ctrl-C during the swap")
+        real_replace(a, b)
+
+    out = _old_model(tmp_path)
+    monkeypatch.setattr(store.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_folder(out, overwrite=True) as tmp:
+            (tmp / "config.json").write_text("NEW")
+    assert (out / "config.json").read_text() == "OLD"
+    _no_swap_leftovers(out)
+
+
+@pytest.mark.parametrize("out", [".", "./", "..", ""])
+def test_refuses_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       gguf_file: Path, out: str) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    src = work / "model.gguf"
+    shutil.copy(gguf_file, src)
+    monkeypatch.chdir(work)
+    with pytest.raises(CheckpointError, match="current directory|empty"):
+        convert_gguf(src, out, overwrite=True, quiet=True)
+    assert sorted(p.name for p in work.iterdir()) == ["model.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
+def test_refuses_an_output_holding_the_source(tmp_path: Path, gguf_file: Path) -> None:
+    src = tmp_path / "models" / "model.gguf"
+    src.parent.mkdir()
+    shutil.copy(gguf_file, src)
+    with pytest.raises(CheckpointError, match=r"models: output folder would replace the source"):
+        convert_gguf(src, tmp_path / "models", overwrite=True, quiet=True)
+    assert src.exists()
