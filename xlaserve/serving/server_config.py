@@ -27,6 +27,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from xlaserve.serving.types import Tier
 
 TIER_NAMES = {t.name.lower(): t for t in Tier}
+BUILTIN_ENGINE = "xlaserve.serving.engine.async_engine:build"  # engine_args: EngineConfig fields
 
 
 def parse_tier(name: str) -> Tier:
@@ -162,6 +163,15 @@ class ServedModel:
         if self.max_inflight < 1 or self.max_queue < 0:
             raise ValueError(f"models[{self.name}]: max_inflight={self.max_inflight} must be "
                              f">= 1 and max_queue={self.max_queue} >= 0")
+        if self.engine == BUILTIN_ENGINE:
+            # checked here rather than when the engine is built, minutes later
+            from xlaserve.serving.engine.config import EngineConfig
+
+            known = {f.name for f in fields(EngineConfig)}
+            unknown = sorted(set(self.engine_args) - known)
+            if unknown:
+                raise ValueError(f"models[{self.name}].engine_args: unknown key(s) {unknown}; "
+                                 f"known: {sorted(known)}")
 
     @property
     def id(self) -> str:

@@ -198,3 +198,19 @@ def test_serve_reports_a_distributed_type_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip() == ("xlaserve serve: error: [distributed] coordinator_address=9876: "
                            "expected str, got int")
+
+
+def test_engine_args_keys_checked_at_load():
+    engine = "xlaserve.serving.engine.async_engine:build"
+    unknown = (r"^models\[m\]\.engine_args: unknown key\(s\) \['max_seqs'\]; "
+               r"known: \[.*'max_num_seqs'")
+    with pytest.raises(ValueError, match=unknown):
+        config_from_dict({"models": [{"name": "m", "engine": engine,
+                                      "engine_args": {"max_seqs": 4}}]})
+    ok = config_from_dict({"models": [{"name": "m", "engine": engine, "engine_args": {
+        "max_num_seqs": 4, "mesh": {"tensor": 1}}}]})
+    assert ok.models[0].engine_args["max_num_seqs"] == 4
+    # another engine factory's arguments are its own business
+    other = config_from_dict({"models": [{"name": "m", "engine": "tests.x:y",
+                                          "engine_args": {"anything": 1}}]})
+    assert other.models[0].engine_args == {"anything": 1}
