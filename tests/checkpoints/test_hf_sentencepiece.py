@@ -94,9 +94,9 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(hf_dir: Path, path: Path) -> None:
+def _write_gguf(hf_dir: Path, path: Path, extra: dict[str, np.ndarray] | None = None) -> None:
     """The tiny HF Llama and its sentencepiece vocabulary as a GGUF file, laid out the way
-    llama.cpp's converter writes one (F32 tensors)."""
+    llama.cpp's converter writes one (F32 tensors), plus the tensors in `extra`."""
     import gguf
     import sentencepiece as spm
     from safetensors.numpy import load_file
@@ -140,6 +140,8 @@ def _write_gguf(hf_dir: Path, path: Path) -> None:
                 t = _permute(t, 2)
             names[name] = f"blk.{i}.{layer[kind]}.{suffix}"
         w.add_tensor(names[name], t)
+    for name, t in (extra or {}).items():
+        w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -184,6 +186,56 @@ def test_gguf_with_sentencepiece_vocabulary(spm_llama, tmp_path: Path) -> None:
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     assert max_rel_error(full_logits(model.params, model.config, ids), ref) < 1e-5
+
+
+def _llama3_freq_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                         high_freq_factor: float, original_max_position_embeddings: int
+                         ) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors): Llama 3 scaling as
+    one divisor per rotary frequency, written as `rope_freqs.weight`."""
+    old = original_max_position_embeddings
+    low_wavelen, high_wavelen = old / low_freq_factor, old / high_freq_factor
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_gguf_llama3_rope_freqs(spm_llama, tmp_path: Path) -> None:
+    """llama.cpp stores Llama 3.1/3.2 RoPE scaling only as the `rope_freqs.weight` tensor: a GGUF
+    carrying it converts to logits matching transformers with the same `rope_type: llama3`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_dir, _ = spm_llama
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    factors = _llama3_freq_factors(16, 10000.0, **scaling)
+    assert (factors == 1.0).any() and (factors == 8.0).any()  # all three regimes are exercised
+    path = tmp_path / "llama3.gguf"
+    _write_gguf(hf_dir, path, {"rope_freqs.weight": factors})
+    out = tmp_path / "ours"
+    convert_gguf(path, out, quiet=True)
+    model = load_model(out)
+
+    cfg = LlamaConfig.from_pretrained(hf_dir)
+    cfg.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, **scaling}
+    hf = LlamaForCausalLM.from_pretrained(hf_dir, config=cfg, dtype=torch.float32).eval()
+    plain = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = model.tokenizer.encode(" ".join(SAMPLES))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+        unscaled = plain(torch.tensor([ids])).logits[0].numpy()
+    ours = full_logits(model.params, model.config, ids)
+    assert max_rel_error(ours, ref) < 1e-5
+    assert max_rel_error(unscaled, ref) > 1e-3  # the scaling is visible in these logits
+    assert model.config.rope_freq_factors == tuple(float(f) for f in factors)
 
 
 def test_gguf_sentencepiece_vocabulary_errors(tmp_path: Path) -> None:

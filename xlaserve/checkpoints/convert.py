@@ -25,10 +25,10 @@ def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
                  quiet: bool = False) -> ModelConfig:
     from xlaserve.checkpoints.gguf_tokenizer import tokenizer_from_gguf
 
-    check_output(out, overwrite)
+    check_output(out, overwrite, src)
     model = read_gguf(src)
     config = model.config
-    with atomic_folder(out, overwrite) as tmp:
+    with atomic_folder(out, overwrite, src) as tmp:
         params = params_from_hf(config, model.get, _bar(f"dequantizing {Path(src).name}", quiet))
         save_params(tmp, params)
         try:
@@ -46,7 +46,7 @@ def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
     from xlaserve.serving.tokenizer import tokenizer_from_hf
 
     src = Path(src)
-    check_output(out, overwrite)
+    check_output(out, overwrite, src)
     if not src.is_dir():
         raise CheckpointError(f"{src}: no such directory")
     cfg_path = src / "config.json"
@@ -77,7 +77,7 @@ def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
             raise CheckpointError(f"{src}: tensor {name} is missing from the safetensors files")
         return handles[where[name]].get_tensor(name)
 
-    with atomic_folder(out, overwrite) as tmp:
+    with atomic_folder(out, overwrite, src) as tmp:
         params = params_from_hf(config, get, _bar(f"converting {src.name}", quiet))
         save_params(tmp, params)
         tokenizer_from_hf(src, tmp, config.eos_token_ids)

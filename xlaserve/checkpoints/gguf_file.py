@@ -7,6 +7,7 @@ applies.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ import numpy as np
 
 from xlaserve.checkpoints.errors import CheckpointError
 from xlaserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+
+log = logging.getLogger(__name__)
 
 _GGUF_TO_HF_LAYER = {
     "attn_norm": "input_layernorm",
@@ -111,7 +114,18 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else 0))
     scaling = None
-    if _field(reader, f"{arch}.rope.scaling.type") == "llama3":  # rarely stored; HF reads rope_freqs
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none", "llama3"):
+        raise CheckpointError(f"{path}: unsupported rope scaling type {scaling_type!r} in "
+                              f"{arch}.rope.scaling.type (supported: none, llama3)")
+    by_name = {t.name: t for t in reader.tensors}
+    freq_factors = None
+    if "rope_freqs.weight" in by_name:
+        # llama.cpp's form of Llama 3.1/3.2 scaling: one divisor per rotary frequency
+        t = by_name["rope_freqs.weight"]
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        freq_factors = tuple(float(f) for f in w.reshape(-1))
+    elif scaling_type == "llama3":  # rarely stored as metadata; llama.cpp writes rope_freqs instead
         scaling = RopeScaling(
             factor=float(_field(reader, f"{arch}.rope.scaling.factor")),
             low_freq_factor=float(_field(reader, f"{arch}.rope.scaling.low_freq_factor", 1.0)),
@@ -122,7 +136,6 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
-    names = {t.name for t in reader.tensors}
     try:
         config = ModelConfig(
             vocab_size=vocab,
@@ -134,9 +147,10 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
             head_dim=head_dim,
             rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
             rope_scaling=scaling,
+            rope_freq_factors=freq_factors,
             rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
-            tie_word_embeddings="output.weight" not in names,
+            tie_word_embeddings="output.weight" not in by_name,
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
@@ -146,6 +160,7 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
         raise CheckpointError(f"{path}: {e}") from e
 
     tensors: dict[str, Any] = {}
+    unmapped = []
     for t in reader.tensors:
         if t.name in _GGUF_TO_HF_TOP:
             tensors[_GGUF_TO_HF_TOP[t.name]] = t
@@ -153,6 +168,13 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
             _, i, kind, suffix = t.name.split(".", 3)
             if kind in _GGUF_TO_HF_LAYER:
                 tensors[f"model.layers.{i}.{_GGUF_TO_HF_LAYER[kind]}.{suffix}"] = t
+            else:
+                unmapped.append(t.name)
+        elif t.name != "rope_freqs.weight":  # read into the config above
+            unmapped.append(t.name)
+    if unmapped:
+        log.warning("%s: ignoring %d tensor(s) this converter does not use: %s", path,
+                    len(unmapped), ", ".join(unmapped[:8]) + (" ..." if len(unmapped) > 8 else ""))
     return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors)
 
 

@@ -32,29 +32,55 @@ CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
 
 
-def check_output(out: str | Path, overwrite: bool) -> None:
-    if Path(out).exists() and not overwrite:
+def check_output(out: str | Path, overwrite: bool, src: str | Path | None = None) -> None:
+    """Refuse an output folder that exists (unless `overwrite`), or one whose replacement would
+    delete the working directory or the source being converted."""
+    if str(out).strip() == "":
+        raise CheckpointError("output folder is empty: name a new folder for the model")
+    resolved = Path(out).resolve()
+    cwd = Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        raise CheckpointError(f"{out}: output folder is the current directory or one of its "
+                              f"parents ({resolved}); name a new folder for the model")
+    if src is not None:
+        source = Path(src).resolve()
+        if source == resolved or resolved in source.parents:
+            raise CheckpointError(f"{out}: output folder would replace the source {src}; "
+                                  f"name a different folder for the model")
+    if resolved.exists() and not overwrite:
         raise CheckpointError(f"{out}: already exists (pass --overwrite to replace it)")
 
 
 @contextmanager
-def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def atomic_folder(out: str | Path, overwrite: bool = False,
+                  src: str | Path | None = None) -> Iterator[Path]:
     """Yield a temporary sibling of `out`; rename it to `out` only if the block succeeds.
 
-    A failed or interrupted conversion leaves no half-written model folder behind."""
-    out = Path(out)
-    check_output(out, overwrite)
+    A failed or interrupted conversion leaves no half-written model folder behind, and an
+    existing `out` (with `overwrite`) survives any failure: it is renamed to a backup sibling,
+    the new folder renamed into place, and only then is the backup deleted.  If the second
+    rename fails the backup is renamed back."""
+    check_output(out, overwrite, src)
+    out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tag = uuid.uuid4().hex[:8]
+    tmp = out.parent / f".{out.name}.tmp-{tag}"
+    backup = out.parent / f".{out.name}.old-{tag}"
     tmp.mkdir()
     try:
         yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        try:
+            if out.exists():
+                os.replace(out, backup)
+            os.replace(tmp, out)
+        except BaseException:
+            if backup.exists():
+                os.replace(backup, out)
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    shutil.rmtree(backup, ignore_errors=True)
 
 
 def save_params(folder: Path, params: Params) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ class ModelConfig:
     head_dim: int
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Per-dimension divisors of the rotary frequencies, [head_dim // 2]: llama.cpp's
+    # `rope_freqs.weight`, which is how a GGUF stores Llama 3.1/3.2 scaling.
+    rope_freq_factors: tuple[float, ...] | None = None
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -62,6 +66,18 @@ class ModelConfig:
                              f"{self.sliding_window!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.rope_freq_factors is not None:
+            factors = self.rope_freq_factors
+            if len(factors) != self.head_dim // 2:
+                raise ValueError(f"ModelConfig.rope_freq_factors has {len(factors)} values, "
+                                 f"expected head_dim // 2 = {self.head_dim // 2}")
+            bad = [f for f in factors if not (isinstance(f, float) and math.isfinite(f) and f > 0)]
+            if bad:
+                raise ValueError(f"ModelConfig.rope_freq_factors must be positive finite floats, "
+                                 f"got {bad[:4]!r}")
+            if self.rope_scaling is not None:
+                raise ValueError("ModelConfig: rope_scaling and rope_freq_factors are both set; "
+                                 "they are two forms of the same scaling, keep one")
 
     @property
     def group_size(self) -> int:
@@ -84,6 +100,8 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if self.rope_freq_factors is not None:
+            d["rope_freq_factors"] = list(self.rope_freq_factors)
         return d
 
     @classmethod
@@ -92,6 +110,8 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        if d.get("rope_freq_factors") is not None:
+            d["rope_freq_factors"] = tuple(float(f) for f in d["rope_freq_factors"])
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

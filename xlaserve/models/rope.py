@@ -1,4 +1,5 @@
-"""Rotary position embeddings (the HF "rotate half" layout), with optional Llama 3 scaling."""
+"""Rotary position embeddings (the HF "rotate half" layout), with optional Llama 3 scaling,
+given as its parameters (HF) or as per-dimension frequency divisors (llama.cpp's rope_freqs)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
         scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
         medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv = np.where(medium, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
+    if config.rope_freq_factors is not None:
+        # llama.cpp (ggml_rope_ext freq_factors): theta / factor for each dimension pair
+        inv = inv / np.asarray(config.rope_freq_factors, dtype=np.float64)
     return inv.astype(np.float32)
 
 

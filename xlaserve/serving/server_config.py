@@ -21,11 +21,13 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from xlaserve.serving.types import Tier
 
 TIER_NAMES = {t.name.lower(): t for t in Tier}
+BUILTIN_ENGINE = "xlaserve.serving.engine.async_engine:build"  # engine_args: EngineConfig fields
 
 
 def parse_tier(name: str) -> Tier:
@@ -161,6 +163,15 @@ class ServedModel:
         if self.max_inflight < 1 or self.max_queue < 0:
             raise ValueError(f"models[{self.name}]: max_inflight={self.max_inflight} must be "
                              f">= 1 and max_queue={self.max_queue} >= 0")
+        if self.engine == BUILTIN_ENGINE:
+            # checked here rather than when the engine is built, minutes later
+            from xlaserve.serving.engine.config import EngineConfig
+
+            known = {f.name for f in fields(EngineConfig)}
+            unknown = sorted(set(self.engine_args) - known)
+            if unknown:
+                raise ValueError(f"models[{self.name}].engine_args: unknown key(s) {unknown}; "
+                                 f"known: {sorted(known)}")
 
     @property
     def id(self) -> str:
@@ -221,6 +232,46 @@ class ServerConfig:
         return self.limits.get(tier.name.lower(), TierLimits())
 
 
+def _typed(hint: Any, value: Any, what: str) -> Any:
+    """`value` checked against the field annotation `hint`, as TOML/JSON give it: a bool is
+    only a bool, an int never a bool, a float may be written as an int, a tuple field is an
+    array.  Returns the value to construct with (arrays become tuples, ints become floats)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return _typed(hint, value, what)
+    if hint is bool:
+        ok, expected = isinstance(value, bool), "true or false"
+    elif hint is int:
+        ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        expected, value = "a number", float(value) if ok else value
+    elif hint is str:
+        ok, expected = isinstance(value, str), "a string"
+    elif origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{what}={value!r}: expected an array")
+        return tuple(_typed(args[0], v, f"{what}[{i}]") for i, v in enumerate(value))
+    elif origin is Mapping:
+        if not isinstance(value, dict):
+            raise ValueError(f"{what}={value!r}: expected a table")
+        return {k: _typed(args[1], v, f"{what}.{k}") for k, v in value.items()}
+    else:  # Any, or a nested config built from its own table
+        return value
+    if not ok:
+        raise ValueError(f"{what}={value!r}: expected {expected}")
+    return value
+
+
+def _typed_fields(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`data` with every value checked against `cls`'s field annotation (see `_typed`)."""
+    hints = get_type_hints(cls)
+    return {k: _typed(hints[k], v, f"{where}.{k}") for k, v in data.items()}
+
+
 def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected a table, got {type(data).__name__}")  # noqa: TRY004
@@ -228,10 +279,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(names)}")
-    kw = dict(data)
-    for k in ("replicas", "tiers"):
-        if k in kw:
-            kw[k] = tuple(kw[k])
+    kw = _typed_fields(cls, data, where)
     try:
         return cls(**kw)
     except TypeError as e:
@@ -244,11 +292,18 @@ def config_from_dict(data: Mapping[str, Any]) -> ServerConfig:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"config: unknown section(s) {unknown}; known: {sorted(known)}")
-    kw: dict[str, Any] = dict(data.get("server", {}))
+    server = data.get("server", {})
+    if not isinstance(server, dict):
+        raise ValueError(f"[server]: expected a table, got {type(server).__name__}")  # noqa: TRY004
     server_names = {f.name for f in fields(ServerConfig)} - known
-    bad = sorted(set(kw) - server_names)
+    bad = sorted(set(server) - server_names)
     if bad:
         raise ValueError(f"[server]: unknown key(s) {bad}; known: {sorted(server_names)}")
+    kw: dict[str, Any] = _typed_fields(ServerConfig, server, "[server]")
+    for section, kind in (("limits", dict), ("models", list)):
+        if section in data and not isinstance(data[section], kind):
+            raise ValueError(f"[{section}]: expected {'a table' if kind is dict else 'an array'}"
+                             f", got {type(data[section]).__name__}")
     if "auth" in data:
         kw["auth"] = _build(AuthConfig, data["auth"], "[auth]")
     if "limits" in data:

@@ -52,9 +52,17 @@ class DistributedConfig:
     cpu_collectives: str = "gloo"  # CPU devices' cross-process collectives (tests, CPU hosts)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_processes, int) or self.num_processes < 1:
+        for name, kind in (("coordinator_address", str), ("num_processes", int),
+                           ("process_id", int), ("heartbeat_timeout_s", int),
+                           ("initialization_timeout_s", int), ("cpu_collectives", str)):
+            value = getattr(self, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(  # noqa: TRY004 - a config error, reported as one
+                    f"[distributed] {name}={value!r}: expected {kind.__name__}, "
+                    f"got {type(value).__name__}")
+        if self.num_processes < 1:
             raise ValueError(f"num_processes must be an int >= 1, got {self.num_processes!r}")
-        if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:
+        if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id={self.process_id!r} must be in "
                              f"[0, num_processes={self.num_processes})")
         host, _, port = self.coordinator_address.rpartition(":")

@@ -24,12 +24,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import KV_AXES, KVCache, Params, param_axes, param_shapes
-from xlaserve.sharding.mesh import MeshConfig
+from xlaserve.sharding.mesh import MESH_AXES, MeshConfig
 from xlaserve.sharding.rules import model_rules, partition_spec
 
 
 def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple)
+
+
+def _require_model_axes(mesh: Mesh) -> None:
+    """The specs name both mesh axes, so a mesh must have both, even at size one."""
+    missing = [a for a in MESH_AXES if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"mesh with axes {tuple(mesh.axis_names)} lacks the axis "
+                         f"{' and '.join(repr(a) for a in missing)}: a model mesh needs the axes "
+                         f"{MESH_AXES} (size 1 where unused; build it with sharding.mesh.make_mesh)")
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,8 @@ class ShardLayout:
     @classmethod
     def create(cls, model: ModelConfig, mesh: MeshConfig | Mesh) -> ShardLayout:
         """Validate the model against the mesh (ValueError with the numbers) and derive rules."""
+        if isinstance(mesh, Mesh):
+            _require_model_axes(mesh)
         mesh_config = MeshConfig.of(mesh) if isinstance(mesh, Mesh) else mesh
         mesh_config = MeshConfig(pipeline=mesh_config.pipeline, tensor=mesh_config.tensor)
         return cls(model, mesh_config, model_rules(model, mesh_config))
@@ -85,6 +96,7 @@ class ShardLayout:
         return self.spec(KV_AXES)
 
     def _check(self, mesh: Mesh) -> None:
+        _require_model_axes(mesh)
         if MeshConfig.of(mesh) != self.mesh:
             raise ValueError(f"layout is for pipeline={self.mesh.pipeline} x "
                              f"tensor={self.mesh.tensor}, but the mesh is {dict(mesh.shape)}")

@@ -56,10 +56,21 @@ class MeshConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "MeshConfig":
-        """The `[mesh]` table of a TOML preset (configs/*.toml); missing keys take defaults."""
+        """The `[mesh]` table of a TOML preset (configs/*.toml); missing keys take defaults.
+
+        A file without a `[mesh]` table (a forgotten header, a misspelt table, a server config
+        passed by mistake) is an error, not a one-device mesh."""
         with open(path, "rb") as f:
             doc = tomllib.load(f)
-        return cls.from_dict(doc.get("mesh", {}))
+        table = doc.get("mesh")
+        if not isinstance(table, dict):
+            raise ValueError(  # noqa: TRY004 - a config error, reported as one
+                f"{path}: not a mesh preset: expected a [mesh] table, found "
+                f"top-level keys {sorted(doc)}")
+        try:
+            return cls.from_dict(table)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
 
     @classmethod
     def of(cls, mesh: Mesh) -> "MeshConfig":

@@ -48,6 +48,62 @@ def test_config_validation(data, match):
         config_from_dict(data)
 
 
+@pytest.mark.parametrize("data,match", [
+    # a string is truthy: "false" would switch prompt logging on
+    ({"audit": {"path": "a.jsonl", "include_prompts": "false"}},
+     r"^\[audit\]\.include_prompts='false': expected true or false$"),
+    ({"models": [{"name": "m", "default": "false"}]},
+     r"^\[\[models\]\] #0\.default='false': expected true or false$"),
+    ({"models": [{"name": "m", "replicas": "local"}]},
+     r"^\[\[models\]\] #0\.replicas='local': expected an array$"),
+    ({"models": [{"name": "m", "tiers": "paid"}]},
+     r"^\[\[models\]\] #0\.tiers='paid': expected an array$"),
+    ({"models": [{"name": "m", "tiers": ["paid", 1]}]},
+     r"^\[\[models\]\] #0\.tiers\[1\]=1: expected a string$"),
+    ({"models": [{"name": "m", "max_inflight": 2.5}]},
+     r"^\[\[models\]\] #0\.max_inflight=2\.5: expected an integer$"),
+    ({"models": [{"name": "m", "max_queue": True}]},
+     r"^\[\[models\]\] #0\.max_queue=True: expected an integer$"),
+    ({"models": [{"name": "m", "engine_args": "tp2"}]},
+     r"^\[\[models\]\] #0\.engine_args='tp2': expected a table$"),
+    ({"router": {"block_size": "16"}}, r"^\[router\]\.block_size='16': expected an integer$"),
+    ({"server": {"port": "8000"}}, r"^\[server\]\.port='8000': expected an integer$"),
+    ({"server": {"drain_timeout_s": "30"}},
+     r"^\[server\]\.drain_timeout_s='30': expected a number$"),
+    ({"admission": {"slo_wait_s": {"free": "2"}}},
+     r"^\[admission\]\.slo_wait_s\.free='2': expected a number$"),
+    ({"limits": {"free": {"tokens_per_day": 1.5}}},
+     r"^\[limits\.free\]\.tokens_per_day=1\.5: expected an integer$"),
+    ({"server": []}, r"^\[server\]: expected a table, got list$"),
+    ({"models": {"name": "m"}}, r"^\[models\]: expected an array, got dict$"),
+])
+def test_config_types(data, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_dict(data)
+
+
+def test_config_number_types_accepted():
+    c = config_from_dict({"server": {"drain_timeout_s": 5},
+                          "limits": {"free": {"requests_per_minute": 3}},
+                          "audit": {"include_prompts": True},
+                          "models": [{"name": "m", "replicas": ["local", "local"],
+                                      "tiers": ["paid"]}]})
+    assert c.drain_timeout_s == 5.0 and isinstance(c.drain_timeout_s, float)
+    assert c.tier_limits(Tier.FREE).requests_per_minute == 3.0
+    assert c.audit.include_prompts is True
+    assert c.models[0].replicas == ("local", "local") and c.models[0].tiers == ("paid",)
+
+
+def test_serve_reports_a_config_type_error(tmp_path, capsys):
+    from xlaserve.serving.http.server import serve_main
+
+    p = tmp_path / "c.toml"
+    p.write_text('[server]\nport = "8000"\n[[models]]\nname = "m"\nengine = "x:y"\n')
+    assert serve_main(["--config", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"xlaserve serve: error: {p}: [server].port='8000': expected an integer"
+
+
 def test_json_config(tmp_path):
     p = tmp_path / "c.json"
     p.write_text(json.dumps({"server": {"port": 9000}, "models": [{"name": "m"}]}))
@@ -130,3 +186,31 @@ def test_engine_exception_fails_only_that_request(make_server, tokenizer):
     m = httpx.get(srv.url + "/metrics").text
     assert 'xlaserve_requests_total{finish_reason="error",model="fake@1"} 1.0' in m
     assert 'xlaserve_time_to_first_token_seconds_count{model="fake@1"} 1.0' in m
+
+
+def test_serve_reports_a_distributed_type_error(tmp_path, capsys):
+    from xlaserve.serving.http.server import serve_main
+
+    p = tmp_path / "c.toml"
+    p.write_text('[[models]]\nname = "m"\nengine = "x:y"\n[distributed]\ncoordinator = 9876\n'
+                 'num_processes = 2\nprocess_id = 0\n')
+    assert serve_main(["--config", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("xlaserve serve: error: [distributed] coordinator_address=9876: "
+                           "expected str, got int")
+
+
+def test_engine_args_keys_checked_at_load():
+    engine = "xlaserve.serving.engine.async_engine:build"
+    unknown = (r"^models\[m\]\.engine_args: unknown key\(s\) \['max_seqs'\]; "
+               r"known: \[.*'max_num_seqs'")
+    with pytest.raises(ValueError, match=unknown):
+        config_from_dict({"models": [{"name": "m", "engine": engine,
+                                      "engine_args": {"max_seqs": 4}}]})
+    ok = config_from_dict({"models": [{"name": "m", "engine": engine, "engine_args": {
+        "max_num_seqs": 4, "mesh": {"tensor": 1}}}]})
+    assert ok.models[0].engine_args["max_num_seqs"] == 4
+    # another engine factory's arguments are its own business
+    other = config_from_dict({"models": [{"name": "m", "engine": "tests.x:y",
+                                          "engine_args": {"anything": 1}}]})
+    assert other.models[0].engine_args == {"anything": 1}

@@ -207,6 +207,8 @@ def load_serve_config(path: str | Path) -> tuple[ServerConfig, Mapping[str, Any]
     try:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
         table = data.pop("distributed", None)
+        if table is not None and not isinstance(table, dict):
+            raise ValueError(f"[distributed]: expected a table, got {type(table).__name__}")
         return config_from_dict(data), table
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
