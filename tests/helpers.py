@@ -37,3 +37,13 @@ def full_logits(params: Params, config: ModelConfig, ids: list[int], block_size:
 def max_rel_error(ours: np.ndarray, ref: np.ndarray) -> float:
     """max |ours - ref| over max |ref|: the error relative to the logits' scale."""
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def finish_gguf(writer, extra: dict[str, np.ndarray] | None = None) -> None:
+    """Add the `extra` tensors to a gguf.GGUFWriter, write the file out and close it."""
+    for name, t in (extra or {}).items():
+        writer.add_tensor(name, t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import finish_gguf
 from xlaserve.checkpoints.convert import convert_gguf, convert_hf
 from xlaserve.checkpoints.errors import CheckpointError
 from xlaserve.checkpoints.gguf_file import read_gguf
@@ -180,12 +181,7 @@ def _tiny_gguf(path: Path, scaling_type: str | None = None,
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(8)])
     w.add_tensor("token_embd.weight", np.zeros((8, 16), np.float32))
-    for name, t in (extra or {}).items():
-        w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w, extra)
     return path
 
 

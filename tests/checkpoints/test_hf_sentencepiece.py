@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import full_logits, max_rel_error
+from tests.helpers import finish_gguf, full_logits, max_rel_error
 from xlaserve.checkpoints.convert import convert_gguf, convert_hf
 from xlaserve.serving.loading import load_model
 from xlaserve.serving.tokenizer import IncrementalDetokenizer
@@ -140,12 +140,7 @@ def _write_gguf(hf_dir: Path, path: Path, extra: dict[str, np.ndarray] | None = 
                 t = _permute(t, 2)
             names[name] = f"blk.{i}.{layer[kind]}.{suffix}"
         w.add_tensor(names[name], t)
-    for name, t in (extra or {}).items():
-        w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w, extra)
 
 
 def test_gguf_with_sentencepiece_vocabulary(spm_llama, tmp_path: Path) -> None:

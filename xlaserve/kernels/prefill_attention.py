@@ -33,8 +33,8 @@ from jax.experimental import pallas as pl
 
 from xlaserve.kernels import flash
 from xlaserve.kernels.validation import (check_block_tables, check_cache, check_int_vector,
-                                         check_sliding_window, check_soft_cap,
-                                         check_lengths, check_q_heads, next_pow2, round_up)
+                                         check_lengths, check_q_heads, check_sliding_window,
+                                         check_soft_cap, next_pow2, round_up)
 
 MASK_VALUE = -1e30
 

@@ -14,6 +14,16 @@ from pathlib import Path
 from typing import Any
 
 
+def utf8_json(obj: Any, **kwargs: Any) -> bytes:
+    """`obj` as UTF-8 JSON; when it holds a lone surrogate (one a client sent, as an unknown
+    field's name or a "model"), which has no UTF-8 form, all non-ASCII is \\u-escaped instead,
+    as the client wrote it."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, **kwargs).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, **kwargs).encode("ascii")
+
+
 class AuditLog:
     def __init__(self, path: str | Path, include_prompts: bool = False):
         self.path = Path(path)
@@ -26,11 +36,7 @@ class AuditLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.include_prompts:
             record = {k: v for k, v in record.items() if k != "prompt"}
-        try:
-            line = (json.dumps(record, ensure_ascii=False, separators=(",", ":"))
-                    + "\n").encode()
-        except UnicodeEncodeError:  # a lone surrogate the client sent (as "model", say)
-            line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        line = utf8_json(record, separators=(",", ":")) + b"\n"
         with self._lock:
             os.write(self._fd, line)
 

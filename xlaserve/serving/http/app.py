@@ -31,6 +31,7 @@ from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from xlaserve.serving.admission import Rejected
+from xlaserve.serving.gateway.audit import utf8_json
 from xlaserve.serving.gateway.auth import AuthError, Principal
 from xlaserve.serving.gateway.ratelimit import RateLimited, Reservation
 from xlaserve.serving.gateway.tracing import TraceContext
@@ -53,13 +54,8 @@ ROUTED_HEADER = "x-xlaserve-routed-model"
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    try:
-        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        # A lone surrogate from the client's own JSON (an unknown field's name, say) has no
-        # UTF-8 form: send it back \u-escaped, as the client wrote it.
-        data = json.dumps(body).encode("ascii")
-    return Response(data, status=status, headers=headers, mimetype="application/json")
+    return Response(utf8_json(body), status=status, headers=headers,
+                    mimetype="application/json")
 
 
 def create_app(state: ServingState) -> Quart:

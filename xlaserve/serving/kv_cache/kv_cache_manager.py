@@ -128,8 +128,10 @@ class KVCacheManager:
         position 0) that the request has not registered yet: blocks it will compute and then
         offer to the prefix cache."""
         state = self._get(request_id)
-        if not self.enable_prefix_caching:
-            return []
+        return self._next_hashes(state, token_ids) if self.enable_prefix_caching else []
+
+    def _next_hashes(self, state: _RequestBlocks, token_ids: Sequence[int]) -> list[bytes]:
+        """Chained hashes of the full blocks of `token_ids` past the `state.hashes` ones."""
         bs = self.block_size
         parent = state.hashes[-1] if state.hashes else None
         out = []
@@ -189,12 +191,9 @@ class KVCacheManager:
                              f"{state.num_tokens} reserved, {len(token_ids)} given")
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        parent = state.hashes[-1] if state.hashes else None
-        for i in range(len(state.hashes), num_tokens // bs):
-            parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs], state.salt)
-            self.pool.cache(state.table[i], parent)  # False: a duplicate, stays unhashed
-            state.hashes.append(parent)
+        for h in self._next_hashes(state, token_ids[:num_tokens]):
+            self.pool.cache(state.table[len(state.hashes)], h)  # False: a duplicate, unhashed
+            state.hashes.append(h)
 
     def free(self, request_id: str) -> None:
         """Release every block of the request; hashed ones stay cached until evicted."""
