@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import AttentionMetadata, Params, forward, init_kv_cache
+from xlaserve.models.llama import (AttentionMetadata, Params, forward, init_kv_cache,
+                                   one_row_metadata)
 
 
 def full_logits(params: Params, config: ModelConfig, ids: list[int], block_size: int = 16,
@@ -18,19 +19,17 @@ def full_logits(params: Params, config: ModelConfig, ids: list[int], block_size:
     chunk = chunk or t
     width = -(-t // block_size)
     kv = init_kv_cache(config, width + 1, block_size)
-    table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]
+    table = np.arange(1, width + 1, dtype=np.int32)
     step = jax.jit(lambda p, tok, pos, kv, meta: forward(p, config, tok, pos, kv, meta,
                                                           attention_backend=backend))
     out = []
     for start in range(0, t, chunk):
         piece = ids[start:start + chunk]
         n = len(piece)
-        pos = np.arange(start, start + n, dtype=np.int32)[None]
-        meta = AttentionMetadata(table, jnp.array([n], jnp.int32),
-                                 jnp.array([start + n], jnp.int32),
-                                 jnp.asarray(pos + block_size, jnp.int32))
-        logits, kv = step(params, jnp.asarray([piece], jnp.int32), jnp.asarray(pos), kv, meta)
-        out.append(np.asarray(logits[0]))
+        pos, meta = one_row_metadata(table, start, n, n, block_size)
+        meta = AttentionMetadata(*(jnp.asarray(a) for a in meta))
+        logits, kv = step(params, jnp.asarray(piece, jnp.int32), jnp.asarray(pos), kv, meta)
+        out.append(np.asarray(logits))
     return np.concatenate(out)
 
 

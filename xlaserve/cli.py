@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-len", type=int, default=2048)
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: from config)")
-    g.add_argument("--attention-backend", default="reference")
+    g.add_argument("--attention-backend", default="auto",
+                   help="auto | reference | cpu | pallas | triton (see xlaserve/kernels)")
     g.set_defaults(fn=_generate)
     # `serve` and `worker` are dispatched before parsing (see main); listed here for --help.
     sub.add_parser("serve", help="the OpenAI-compatible HTTP server: serve --config FILE")

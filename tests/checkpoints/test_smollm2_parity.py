@@ -24,7 +24,7 @@ def prompt_ids(smollm2) -> list[list[int]]:
     return [smollm2.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "pallas"])
 def test_teacher_forced_logits_match(smollm2, hf_smollm2, prompt_ids, backend) -> None:
     for ids in prompt_ids:
         with torch.no_grad():
@@ -39,7 +39,7 @@ def hf_greedy(hf_smollm2, prompt_ids) -> list[list[int]]:
     return [_hf_greedy(hf_smollm2, ids, 64) for ids in prompt_ids]
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])  # pallas: interpret mode on CPU
+@pytest.mark.parametrize("backend", ["reference", "cpu", "pallas"])  # pallas: interpret on CPU
 def test_greedy_continuations_match(smollm2, hf_smollm2, prompt_ids, hf_greedy,
                                     backend) -> None:
     gen = SequenceGenerator(smollm2.params, smollm2.config, max_len=256,

@@ -71,3 +71,53 @@ def rel_error(out, ref) -> float:
 
 def tolerance(dtype) -> float:
     return 1e-5 if jnp.dtype(dtype) == jnp.float32 else 1e-2
+
+
+@dataclass
+class FlatCase:
+    """A Case laid out as one flat batch: each row's q_lens[b] real query tokens in row order,
+    then `padding` padding tokens (row -1)."""
+
+    q: jnp.ndarray             # [T, H, D]
+    k_flat: jnp.ndarray        # [L*N*bs, KVH, D]
+    v_flat: jnp.ndarray
+    token_rows: jnp.ndarray    # [T] int32
+    positions: jnp.ndarray     # [T] int32
+    block_tables: jnp.ndarray  # [B, W] int32
+    layer: jnp.ndarray
+    num_blocks: int
+    block_size: int
+    scale: float
+
+    def args(self) -> tuple:
+        return (self.q, self.k_flat, self.v_flat, self.layer, self.token_rows, self.positions,
+                self.block_tables)
+
+    def kw(self) -> dict:
+        return dict(num_blocks=self.num_blocks, block_size=self.block_size, scale=self.scale)
+
+
+def to_flat(case: Case, padding: int = 0) -> tuple[FlatCase, np.ndarray]:
+    """The flat form of `case` and, per flat token, its (row, slot) in case.q ((-1, 0) for
+    padding), to compare with the padded kernels."""
+    q = np.asarray(case.q)
+    q_lens, kv_lens = np.asarray(case.q_lens), np.asarray(case.kv_lens)
+    picks, rows, positions = [], [], []
+    for b, (n, kv) in enumerate(zip(q_lens, kv_lens)):
+        for t in range(n):
+            picks.append((b, t))
+            rows.append(b)
+            positions.append(kv - n + t)
+    picks += [(-1, 0)] * padding
+    rows += [-1] * padding
+    positions += [0] * padding
+    pick = np.asarray(picks, np.int64).reshape(-1, 2)
+    flat_q = np.where((pick[:, 0] >= 0)[:, None, None], q[pick[:, 0], pick[:, 1]], 0)
+    _, num_blocks, bs, kvh, d = case.k_cache.shape
+    return FlatCase(q=jnp.asarray(flat_q, case.q.dtype),
+                    k_flat=case.k_cache.reshape(-1, kvh, d),
+                    v_flat=case.v_cache.reshape(-1, kvh, d),
+                    token_rows=jnp.asarray(rows, jnp.int32),
+                    positions=jnp.asarray(positions, jnp.int32),
+                    block_tables=case.block_tables, layer=case.layer, num_blocks=num_blocks,
+                    block_size=bs, scale=case.scale), pick

@@ -25,8 +25,8 @@ from xlaserve.serving.types import GenerationRequest, SamplingParams
 # one block-table width (9 blocks = max_model_len / block_size).  A step's token budget (64)
 # mixes decode rows with prefill chunks; prompts over 32 tokens are prefilled in chunks.
 ENGINE = EngineConfig(max_model_len=144, block_size=16, num_kv_blocks=64, max_num_seqs=4,
-                      max_num_batched_tokens=64, max_prefill_chunk=32, max_prefill_tokens=64,
-                      min_prefill_chunk=32, min_table_width=9, aging_seconds=math.inf)
+                      max_num_batched_tokens=64, max_prefill_chunk=32,
+                      min_step_tokens=32, min_table_width=9, aging_seconds=math.inf)
 # The two-process run: 4 buckets (decode rows 1/2, prefill 32 x rows 1/2), four requests.
 MULTIHOST_ENGINE = dataclasses.replace(ENGINE, max_num_seqs=2)
 

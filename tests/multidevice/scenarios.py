@@ -27,42 +27,47 @@ def tiny_params(config: ModelConfig = TINY, seed: int = 0) -> Params:
 
 @dataclass(frozen=True)
 class Step:
-    tokens: np.ndarray        # [B, T]
-    positions: np.ndarray     # [B, T]
+    tokens: np.ndarray        # [T] the flat batch: row 0's tokens, row 1's, ..., padding
+    positions: np.ndarray     # [T]
     meta: AttentionMetadata
-    logits_index: np.ndarray | None
+    logits_index: np.ndarray | None   # [R], or None: logits of every token
 
 
 def make_step(tokens: list[list[int]], context: list[int], width: int,
-              block_size: int = BLOCK_SIZE, all_logits: bool = False) -> Step:
-    """One step: row b appends `tokens[b]` after `context[b]` cached tokens.
+              block_size: int = BLOCK_SIZE, all_logits: bool = False,
+              pad_to: int | None = None) -> Step:
+    """One step: row b appends `tokens[b]` after `context[b]` cached tokens; the flat batch
+    is padded to `pad_to` tokens (default: none).
 
     Row b owns blocks [1 + b*width, 1 + (b+1)*width) (block 0 is the null block)."""
     b = len(tokens)
-    t = max(len(row) for row in tokens)
-    ids = np.zeros((b, t), np.int32)
-    pos = np.zeros((b, t), np.int32)
-    slots = np.zeros((b, t), np.int32)
+    n = sum(len(row) for row in tokens)
+    t = pad_to or n
+    ids = np.zeros(t, np.int32)
+    pos = np.zeros(t, np.int32)
+    rows = np.full(t, -1, np.int32)
+    slots = np.zeros(t, np.int32)
     tables = np.array([[1 + r * width + i for i in range(width)] for r in range(b)], np.int32)
-    q_lens = np.array([len(row) for row in tokens], np.int32)
-    kv_lens = np.array(context, np.int32) + q_lens
+    index = np.zeros(b, np.int32)
+    at = 0
     for r, row in enumerate(tokens):
         for i, token in enumerate(row):
             p = context[r] + i
-            ids[r, i], pos[r, i] = token, p
-            slots[r, i] = tables[r, p // block_size] * block_size + p % block_size
-    meta = AttentionMetadata(jnp.asarray(tables), jnp.asarray(q_lens), jnp.asarray(kv_lens),
-                             jnp.asarray(slots))
-    index = None if all_logits else np.maximum(q_lens - 1, 0).astype(np.int32)
-    return Step(ids, pos, meta, index)
+            ids[at], pos[at], rows[at] = token, p, r
+            slots[at] = tables[r, p // block_size] * block_size + p % block_size
+            at += 1
+        index[r] = at - 1
+    meta = AttentionMetadata(jnp.asarray(tables), jnp.asarray(rows), jnp.asarray(slots))
+    return Step(ids, pos, meta, None if all_logits else index)
 
 
 def ragged_prefill(vocab: int, seed: int = 1) -> Step:
-    """Four rows, ragged chunk lengths 7, 3, 5, 1 (padded to 8); all logits."""
+    """Four rows, ragged chunk lengths 7, 3, 5, 1 (16 tokens, padded to 20: microbatches
+    of 5 tokens cut through rows); all logits."""
     rng = np.random.default_rng(seed)
     lens = [7, 3, 5, 1]
     rows = [rng.integers(0, vocab, n).tolist() for n in lens]
-    return make_step(rows, [0, 0, 0, 0], width=3, all_logits=True)
+    return make_step(rows, [0, 0, 0, 0], width=3, all_logits=True, pad_to=20)
 
 
 def decode_after_prefill(vocab: int, seed: int = 2) -> Step:

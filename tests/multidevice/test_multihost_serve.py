@@ -43,8 +43,8 @@ READY_LIMIT_S = 180      # start, load, compile (three processes on a shared CPU
 FAIL_LIMIT_S = 30        # a killed peer -> process 0 answered and exited
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 64, 128, 11], [200, 1, 2, 3]]
 ENGINE_ARGS = ("max_model_len = 64, block_size = 16, num_kv_blocks = 32, max_num_seqs = 2, "
-               "max_num_batched_tokens = 64, max_prefill_chunk = 32, max_prefill_tokens = 32, "
-               "max_prefill_rows = 1, min_prefill_chunk = 32, min_table_width = 4")
+               "max_num_batched_tokens = 64, max_prefill_chunk = 32, "
+               "min_step_tokens = 32, min_table_width = 4")
 
 
 def server_toml(model: Path, port: int, mesh: str = "", distributed: str = "") -> str:

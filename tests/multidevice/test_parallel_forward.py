@@ -105,8 +105,8 @@ def test_smollm2_at_tp3(model_dir) -> None:
 
 
 def test_microbatches_follow_the_batch(tiny_reference) -> None:
-    """pp2 with three microbatches requested on four rows: two (the largest divisor) are used,
-    and a single-row decode runs as one microbatch; both still match."""
+    """pp2 with three microbatches requested on flat batches of 20 and 4 tokens: two (the
+    largest divisor) are used, cutting through rows; both still match."""
     params, steps, expected = tiny_reference
     mesh = make_mesh(MeshConfig(pipeline=2))
     layout = ShardLayout.create(TINY, mesh)

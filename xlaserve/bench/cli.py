@@ -30,12 +30,25 @@ def _online(args: argparse.Namespace) -> int:
 
     endpoint = Endpoint(base_url=args.url, model=args.model, kind=args.endpoint,
                         api_key=args.api_key, include_usage=not args.no_usage,
-                        timeout_s=args.timeout)
+                        timeout_s=args.timeout, ignore_eos=args.ignore_eos)
     options = OnlineOptions(
         workload=args.workload, rates=parse_rates(args.rates), num_requests=args.num_requests,
         duration_s=args.duration, seed=args.seed, slo=SLO(args.slo_ttft, args.slo_tpot),
-        progress=not args.no_progress)
+        progress=not args.no_progress, max_concurrency=args.max_concurrency)
     return online_main(endpoint, options, args.tokenizer, args.json, args.plot)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _step(args: argparse.Namespace) -> int:
+    from xlaserve.bench.step import step_main
+
+    return step_main(args.model, decode_batches=_ints(args.rows), width=args.width,
+                     context=args.context, prefill_chunks=_ints(args.chunks),
+                     repeats=args.repeats, breakdown=args.breakdown, backend=args.backend,
+                     json_out=args.json)
 
 
 def _layouts(args: argparse.Namespace) -> int:
@@ -103,6 +116,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="requests per rate (default: the workload's count)")
     n.add_argument("--duration", type=float, default=None,
                    help="seconds per rate after which no request is sent")
+    n.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most N requests in flight (with --rates inf: a closed loop at "
+                   "fixed concurrency, as `vllm bench serve --max-concurrency`)")
+    n.add_argument("--ignore-eos", action="store_true",
+                   help="ask for exactly max_tokens per request (ignore_eos: vLLM's and "
+                   "llama.cpp's extension), so every server generates the same tokens")
     n.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, s")
     n.add_argument("--slo-ttft", type=float, default=1.0, help="goodput SLO on TTFT, s")
     n.add_argument("--slo-tpot", type=float, default=0.2, help="goodput SLO on TPOT, s")
@@ -113,6 +132,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--plot", help="write a PNG of TTFT/TPOT p50 and p99 against rate")
     n.add_argument("--no-progress", action="store_true", help="no progress bar")
     n.set_defaults(fn=_online)
+
+    st = bsub.add_parser("step", help="each kind of device step timed against its floor "
+                         "(read bandwidth and GEMM rate measured in the same run)")
+    st.add_argument("--model", required=True, help="model folder written by `xlaserve convert`")
+    st.add_argument("--rows", default="1,8,16,32", help="decode batch sizes")
+    st.add_argument("--width", type=int, default=48, help="block-table width of decode rows")
+    st.add_argument("--context", type=int, default=700,
+                    help="cached tokens per decode row (attention reads them)")
+    st.add_argument("--chunks", default="64,128,256,512", help="prefill chunk lengths")
+    st.add_argument("--repeats", type=int, default=10)
+    st.add_argument("--backend", default="auto", help="attention backend (see kernels/)")
+    st.add_argument("--breakdown", action="store_true",
+                    help="also time each part of every step alone (weights, attention, head, "
+                         "sampler, host)")
+    st.add_argument("--json", help="write the report as JSON")
+    st.set_defaults(fn=_step)
 
     s = bsub.add_parser("startup", help="load + compile time of the model vs a shallow variant")
     s.add_argument("--model", required=True, help="model folder written by `xlaserve convert`")

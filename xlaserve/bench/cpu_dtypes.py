@@ -34,11 +34,10 @@ def step_ms(config, kv_dtype: str, rows: int, width: int = 48, kv_len: int = 512
                              logits_index=jnp.zeros((rows,), jnp.int32))
 
     tables = 1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width)
-    pos = np.full((rows, 1), kv_len - 1, np.int32)
-    slots = tables[:, (kv_len - 1) // block_size, None] * block_size + (kv_len - 1) % block_size
-    meta = llama.AttentionMetadata(jnp.asarray(tables), jnp.ones((rows,), jnp.int32),
-                                   jnp.full((rows,), kv_len, jnp.int32), jnp.asarray(slots))
-    tokens = jnp.ones((rows, 1), jnp.int32)
+    pos = np.full(rows, kv_len - 1, np.int32)
+    meta = llama.AttentionMetadata(*(jnp.asarray(a) for a in
+                                     llama.decode_metadata(tables, pos, block_size)))
+    tokens = jnp.ones(rows, jnp.int32)
     times = []
     for i in range(repeats + 1):
         t = time.perf_counter()

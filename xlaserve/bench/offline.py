@@ -90,7 +90,8 @@ def run_offline(model: LoadedModel, options: OfflineOptions,
     if "engine" in options.systems:
         results.append(run_engine(model, config, runner, workload, warmup_s))
     if "static" in options.systems:
-        results.append(StaticBatcher(runner, options.batch).run(workload, warmup_s))
+        static = StaticBatcher(runner, options.batch, config.max_prefill_chunk)
+        results.append(static.run(workload, warmup_s))
     if "hf" in options.systems:
         from xlaserve.bench.hf_system import load_hf_model, run_hf
 
@@ -138,7 +139,7 @@ def _breakdown(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
             if system == "engine":
                 run_engine(model, config, runner, workload)
             else:
-                StaticBatcher(runner, options.batch).run(workload)
+                StaticBatcher(runner, options.batch, config.max_prefill_chunk).run(workload)
         finally:
             runner.profile = None
         out[system] = profile

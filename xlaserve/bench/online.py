@@ -5,6 +5,8 @@ arrivals, one run per request rate, every request streamed and timed chunk by ch
         (no tokenizer at hand: the corpus cut into words instead, see CorpusWords)
     rate r: arrival gaps ~ Exp(mean 1/r), the same seeded draws at every rate  poisson_arrivals()
         each arrival --stream_client.send--> RequestRecord                    run_rate()
+        (--max-concurrency N: at most N requests in flight, the next one sent as one finishes:
+        with rate inf, a closed loop at fixed concurrency, as `vllm bench serve` runs it)
     RequestRecord[] + wall time + SLO --> one summary per rate             online_report.py
     summaries --> table (stdout), JSON (--json), PNG (--plot)
 
@@ -45,10 +47,13 @@ class OnlineOptions:
     seed: int = 0
     slo: SLO = field(default_factory=SLO)
     progress: bool = True
+    max_concurrency: int | None = None  # requests in flight at most; None: unbounded
 
     def __post_init__(self) -> None:
         if not self.rates or not all(r > 0 for r in self.rates):
             raise ValueError(f"--rates {self.rates}: need one or more rates > 0 (or inf)")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency {self.max_concurrency} must be >= 1")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"--num-requests {self.num_requests} must be >= 1")
         if self.duration_s is not None and not self.duration_s > 0:
@@ -125,10 +130,12 @@ async def run_rate(endpoint: Endpoint, requests: list[TextRequest], rate: float,
         t0 = time.perf_counter()
 
         failures: dict[str, int] = {}
+        slots = asyncio.Semaphore(options.max_concurrency or len(planned) or 1)
 
         async def one(req: TextRequest, at: float) -> RequestRecord:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            record = await send(client, endpoint, req, t0, at)
+            async with slots:   # requests wait here, in arrival order, for a free slot
+                record = await send(client, endpoint, req, t0, at)
             if not record.ok:
                 failures[record.status] = failures.get(record.status, 0) + 1
                 bar.set_postfix(failures, refresh=False)
@@ -173,14 +180,17 @@ def online_main(endpoint: Endpoint, options: OnlineOptions, tokenizer_dir: str |
     requests, workload = text_requests(options.workload, tokenizer, options.seed,
                                        options.num_requests)
     results = run_sweep(endpoint, requests, options)
+    concurrency = f", at most {options.max_concurrency} in flight" \
+        if options.max_concurrency else ""
     print(f"{endpoint.kind} at {endpoint.url}, model {endpoint.model}, workload "
-          f"{workload['name']} ({len(requests)} requests/rate), SLO TTFT <= "
+          f"{workload['name']} ({len(requests)} requests/rate{concurrency}), SLO TTFT <= "
           f"{options.slo.ttft_s:g} s and TPOT <= {options.slo.tpot_s:g} s")
     print(format_rate_table(results))
     if json_path:
         report = {"endpoint": endpoint.describe(), "workload": workload,
                   "options": {"rates": list(options.rates), "num_requests": len(requests),
-                              "duration_s": options.duration_s, "seed": options.seed},
+                              "duration_s": options.duration_s, "seed": options.seed,
+                              "max_concurrency": options.max_concurrency},
                   "slo": {"ttft_s": options.slo.ttft_s, "tpot_s": options.slo.tpot_s},
                   "rates": results}
         Path(json_path).write_text(json.dumps(_json_safe(report), indent=1, allow_nan=False))

@@ -112,7 +112,7 @@ def decode_step_ms(runner: ModelRunner, prompt: tuple[int, ...], steps: int = 20
     """Median ms of a batch-1 decode call after prefilling `prompt` (blocks taken from
     `first_block` on: the runner's KV must not be in use by anyone else)."""
     bs, buckets = runner.block_size, runner.buckets
-    prompt = tuple(prompt[:buckets.max_chunk])
+    prompt = tuple(prompt[:buckets.max_tokens])
     total = len(prompt) + steps
     n_blocks = -(-total // bs)
     if first_block + n_blocks > runner.num_blocks:
@@ -124,15 +124,14 @@ def decode_step_ms(runner: ModelRunner, prompt: tuple[int, ...], steps: int = 20
         raise ValueError(f"decode probe of {total} tokens exceeds the widest table "
                          f"({width_max} blocks)")
     slot = 1
-    call = runner.run([RowInput(prompt, 0, table[:-(-len(prompt) // bs)], slot)],
-                      len(prompt))
+    call = runner.run([RowInput(prompt, 0, table[:-(-len(prompt) // bs)], slot)])
     call.out.tokens.block_until_ready()
     times = []
     for k in range(steps):
         pos = len(prompt) + k
         row = RowInput((PENDING,), pos, table[:pos // bs + 1], slot)
         start = time.perf_counter()
-        call = runner.run([row], 1)
+        call = runner.run([row])
         call.out.tokens.block_until_ready()
         times.append(time.perf_counter() - start)
     return 1e3 * float(np.median(times))

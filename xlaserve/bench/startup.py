@@ -61,9 +61,8 @@ def measure(name: str, folder: Path, config: ModelConfig, chunk: int, width: int
     params = load_params(folder, config, mesh)
     jax.block_until_ready(params)
     load_s = time.perf_counter() - start
-    plan = BucketPlan(decode_batch_sizes=(1,), prefill_chunk_sizes=(chunk,),
-                      max_prefill_tokens=chunk, table_widths=(width,), block_size=block_size,
-                      max_prefill_rows=1)
+    plan = BucketPlan(row_sizes=(1,), token_sizes=(chunk,), table_widths=(width,),
+                      block_size=block_size)
     runner = ModelRunner(params, config, mesh, num_blocks=width + 1, block_size=block_size,
                          max_num_seqs=1, buckets=plan)
     decode, prefill = (1, 1, width), (1, chunk, width)

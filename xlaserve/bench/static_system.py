@@ -2,9 +2,9 @@
 
     for each batch of B requests, in arrival order:
         reserve   each row's blocks for prompt + the batch's longest output, up front
-        prefill   every row's prompt in chunks of the runner's largest prefill bucket; rows of
-                  one chunk size share calls (as many as the bucket's rows allow); the last
-                  chunk samples the row's first token
+        prefill   every row's prompt in chunks of `chunk` tokens (the engine's largest); the
+                  rows' chunks of one round share calls, as many as fit the largest token
+                  bucket; the last chunk samples the row's first token
         decode    all B rows together, one token per step, until the batch's longest request
                   ends: a row whose request is done keeps decoding (its tokens are dropped),
                   so it holds its row and its blocks to the end; that is the baseline
@@ -71,12 +71,16 @@ def _blocks(n_tokens: int, block_size: int) -> int:
 
 
 class StaticBatcher:
-    def __init__(self, runner: ModelRunner, batch_size: int):
+    def __init__(self, runner: ModelRunner, batch_size: int, chunk: int):
         if not 1 <= batch_size <= runner.max_num_seqs:
             raise ValueError(f"--batch {batch_size}: the runner has rows for 1.."
                              f"{runner.max_num_seqs}")
+        if not 1 <= chunk <= runner.buckets.max_tokens:
+            raise ValueError(f"prefill chunk {chunk} exceeds the largest token bucket "
+                             f"{runner.buckets.max_tokens}")
         self.runner = runner
         self.batch_size = batch_size
+        self.chunk = chunk
         self.allocator = BlockAllocator(runner.num_blocks)
 
     def run(self, workload: Workload, warmup_s: float = 0.0) -> SystemResult:
@@ -139,29 +143,35 @@ class StaticBatcher:
                     row.done_at = now
 
     def _run_batch(self, rows: list[_Row], clock: Clock, meter: KVWasteMeter) -> int:
-        runner, buckets, bs = self.runner, self.runner.buckets, self.runner.block_size
+        runner, bs = self.runner, self.runner.block_size
+        most_tokens, most_rows = runner.buckets.max_tokens, runner.buckets.row_sizes[-1]
         steps = 0
         # Prefill: round after round, every row with prompt left feeds its next chunk.
         while any(row.written < len(row.prompt) for row in rows):
-            groups: dict[int, list[tuple[_Row, RowInput]]] = {}
+            calls: list[tuple[CallResult, list[tuple[int, _Row]]]] = []
+            part: list[tuple[_Row, RowInput]] = []
+
+            def launch() -> None:
+                call = runner.run([inp for _, inp in part])
+                calls.append((call, [(j, row) for j, (row, inp) in enumerate(part)
+                                     if inp.sample]))
+                part.clear()
+
             for row in rows:
                 w = row.written
-                n = min(buckets.max_chunk, len(row.prompt) - w)
+                n = min(self.chunk, len(row.prompt) - w)
                 if n == 0:
                     continue
                 inp = RowInput(row.prompt[w:w + n], w, row.table[:_blocks(w + n, bs)],
                                row.slot, sample=w + n == len(row.prompt))
-                groups.setdefault(buckets.chunk(n), []).append((row, inp))
-                row.written = w + n
-            calls: list[tuple[CallResult, list[tuple[int, _Row]]]] = []
-            for chunk, members in sorted(groups.items()):
-                most = buckets.prefill_rows(chunk)[-1]
-                for i in range(0, len(members), most):
-                    part = members[i:i + most]
-                    call = runner.run([inp for _, inp in part], chunk)
-                    calls.append((call, [(j, row) for j, (row, inp) in enumerate(part)
-                                         if inp.sample]))
+                if part and (sum(len(i.token_ids) for _, i in part) + n > most_tokens
+                             or len(part) == most_rows):
+                    launch()
                     steps += 1
+                part.append((row, inp))
+                row.written = w + n
+            launch()
+            steps += 1
             self._sample_waste(rows, meter, clock())
             for call, sampled in calls:
                 if sampled:
@@ -174,7 +184,7 @@ class StaticBatcher:
             inputs = [RowInput((PENDING,), len(row.prompt) + k - 1,
                                row.table[:_blocks(len(row.prompt) + k, bs)], row.slot)
                       for row in rows]
-            call = runner.run(inputs, 1)
+            call = runner.run(inputs)
             for row in rows:
                 row.written += 1
             steps += 1

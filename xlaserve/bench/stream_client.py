@@ -46,6 +46,8 @@ class Endpoint:
     api_key: str | None = None
     include_usage: bool = True      # ask for stream_options.include_usage
     timeout_s: float = 120.0        # whole request, first byte to [DONE]
+    ignore_eos: bool = False        # send ignore_eos (vLLM's and llama.cpp's extension):
+                                    # every request generates exactly max_tokens
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -75,12 +77,15 @@ class Endpoint:
             body["prompt"] = req.prompt
         if self.include_usage:
             body["stream_options"] = {"include_usage": True}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
         return body
 
     def describe(self) -> dict[str, Any]:
         """For reports: everything but the API key."""
         return {"url": self.base_url, "model": self.model, "kind": self.kind,
                 "include_usage": self.include_usage, "timeout_s": self.timeout_s,
+                "ignore_eos": self.ignore_eos,
                 "api_key": "set" if self.api_key else None}
 
 

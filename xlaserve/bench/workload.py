@@ -77,7 +77,6 @@ class WorkloadSpec:
     # engine shape for this workload (see engine_config)
     max_num_seqs: int = 32
     prefill_chunk: int = 256
-    max_prefill_rows: int = 4
     block_size: int = 16
 
     def __post_init__(self) -> None:
@@ -126,9 +125,8 @@ class WorkloadSpec:
         return EngineConfig(
             max_model_len=self.max_model_len, block_size=self.block_size,
             num_kv_blocks=seqs * blocks_per_seq + 1, max_num_seqs=seqs,
-            max_num_batched_tokens=max(2 * chunk, seqs), max_prefill_chunk=chunk,
-            max_prefill_tokens=2 * chunk, max_prefill_rows=self.max_prefill_rows,
-            min_prefill_chunk=min(16, chunk), min_table_width=min(16, blocks_per_seq),
+            max_num_batched_tokens=max(2 * chunk, seqs + 1), max_prefill_chunk=chunk,
+            min_step_tokens=min(16, chunk), min_table_width=min(16, blocks_per_seq),
             enable_prefix_caching=True, pipelined=True)
 
 
@@ -137,10 +135,14 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         WorkloadSpec("mixed", "64 requests at once, prompts 16-512 tokens, outputs long-tailed "
                      "1-256 tokens", num_requests=64, prompt_min=16, prompt_max=512,
                      output_min=1, output_max=256, output_median=24.0, output_sigma=1.2),
+        WorkloadSpec("chat", "96 chat turns, prompts 24-300 tokens (+ the chat template: "
+                     "~14.8k prompt tokens for SmolLM2), outputs 8-160 (~5.2k): prefill-heavy",
+                     num_requests=96, prompt_min=24, prompt_max=300, output_min=8,
+                     output_max=160, output_median=48.0, output_sigma=0.6),
         WorkloadSpec("tiny", "4 requests, prompts 8-40 tokens, outputs 1-12 (tests)",
                      num_requests=4, prompt_min=8, prompt_max=40, output_min=1,
                      output_max=12, output_median=4.0, output_sigma=1.0, max_num_seqs=4,
-                     prefill_chunk=16, max_prefill_rows=2),
+                     prefill_chunk=16),
     )
 }
 

@@ -1,16 +1,22 @@
 """The Llama-family decoder (Llama 2/3, Mistral, SmolLM2) as pure functions over a param pytree.
 
-    tokens [B, T] -> embed -> scan over layers {
+A step is one flat batch of tokens: every row's tokens one after another (a decode row gives
+one token, a prefill chunk many), padding at the end.
+
+    tokens [T] -> embed -> scan over layers {
         x += attn(rmsnorm(x))   q,k,v projections; RoPE; write k,v into the paged cache at
-                                `slot_mapping`; paged attention over the row's block table
+                                `slot_mapping`; paged attention of each token over its row's
+                                block table (kernels/attention.py)
         x += mlp(rmsnorm(x))    SwiGLU
-    } -> rmsnorm -> logits (tied or separate output embedding)
+    } -> the rows' logits tokens -> rmsnorm -> logits (tied or separate output embedding)
 
-Layers are stacked on a leading `layers` axis and run under `lax.scan`, so compile time does not
-grow with depth.  The KV cache goes in as an argument and comes out as a return value.
+Layers are stacked on a leading `layers` axis; `lax.scan` runs the layer index and every matmul
+reads its layer of the stacked weight in place (kernels/matmul.py), so compile time does not
+grow with depth and no layer slice is copied.  The KV cache goes in as an argument and comes out
+as a return value.
 
-Einsum letters: B batch rows, T tokens per row, E embed, H query heads, K kv heads, D head dim,
-F mlp hidden, V vocab.
+Einsum letters: T tokens, R rows, E embed, H query heads, K kv heads, D head dim, F mlp hidden,
+V vocab.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.kernels.attention import paged_attention
+from xlaserve.kernels.attention import attention
+from xlaserve.kernels.matmul import head_matmul, layer_matmul
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.rope import apply_rope, inverse_frequencies
 
@@ -43,16 +50,38 @@ class KVCache(NamedTuple):
 
 
 class AttentionMetadata(NamedTuple):
-    """Where each row's tokens go in the cache and what they attend to.
+    """Which row each token of the flat batch belongs to and where its KV goes.
 
-    Row b feeds `q_lens[b]` real tokens (the rest of its T slots are padding); after they are
-    written its sequence holds `kv_lens[b]` cached tokens.  Padding tokens write to slot 0, in
-    the reserved null block."""
+    Tokens of one row are consecutive, in row order, with consecutive positions; a token at
+    position p attends to its row's cached positions <= p (the step's own KV included).
+    Padding tokens have row -1 and write to slot 0, in the reserved null block."""
 
-    block_tables: jax.Array  # [B, W] int32 physical block ids, 0-padded
-    q_lens: jax.Array        # [B] int32
-    kv_lens: jax.Array       # [B] int32
-    slot_mapping: jax.Array  # [B, T] int32 block_id * block_size + offset
+    block_tables: jax.Array  # [R, W] int32 physical block ids, 0-padded
+    token_rows: jax.Array    # [T] int32 row of each token, -1 = padding
+    slot_mapping: jax.Array  # [T] int32 block_id * block_size + offset
+
+
+def one_row_metadata(block_table: np.ndarray, start: int, num_tokens: int, pad_to: int,
+                     block_size: int) -> tuple[np.ndarray, AttentionMetadata]:
+    """positions [pad_to] and the metadata of a batch holding one row: `num_tokens` tokens
+    from position `start` over `block_table` [W], then padding (numpy arrays)."""
+    table = np.asarray(block_table, np.int32)
+    pos = start + np.arange(pad_to, dtype=np.int32)
+    real = np.arange(pad_to) < num_tokens
+    slots = np.where(real, table[np.minimum(pos // block_size, len(table) - 1)] * block_size
+                     + pos % block_size, 0).astype(np.int32)
+    rows = np.where(real, 0, -1).astype(np.int32)
+    return np.where(real, pos, 0).astype(np.int32), AttentionMetadata(table[None], rows, slots)
+
+
+def decode_metadata(block_tables: np.ndarray, positions: np.ndarray,
+                    block_size: int) -> AttentionMetadata:
+    """The metadata of a decode batch: row r feeds one token, at positions[r] (numpy)."""
+    tables = np.asarray(block_tables, np.int32)
+    pos = np.asarray(positions, np.int32)
+    rows = np.arange(len(pos), dtype=np.int32)
+    slots = tables[rows, pos // block_size] * block_size + pos % block_size
+    return AttentionMetadata(tables, rows, slots.astype(np.int32))
 
 
 # Logical axis names of every parameter (see sharding/rules.py).
@@ -121,98 +150,123 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def decoder_layer(
+class CacheGeometry(NamedTuple):
+    """The stacked cache's shape, for layers that see it flat ([L*N*bs, K, D])."""
+
+    num_blocks: int
+    block_size: int
+
+
+def _as_matrix(w: jax.Array, inner: int) -> jax.Array:
+    """[L, a, b, c] -> [L, a, b*c] (inner=2) or [L, a*b, c] (inner=1): contiguous, no copy."""
+    if inner == 2:
+        return w.reshape(*w.shape[:2], -1)
+    return w.reshape(w.shape[0], -1, w.shape[-1])
+
+
+def decoder_layers(
     config: ModelConfig,
-    layer: Params,              # one layer's weights (this shard's heads / mlp slice)
-    x: jax.Array,               # [B, T, E]
+    layers: Params,             # every layer's weights, stacked (this shard's heads / mlp)
+    x: jax.Array,               # [T, E]
     k_flat: jax.Array,          # [L*N*bs, K, D] the whole (local) cache, flattened
     v_flat: jax.Array,          # [L*N*bs, K, D]
-    i: jax.Array,               # [] int32 layer index into the (local) cache
-    positions: jax.Array,       # [B, T] int32
+    positions: jax.Array,       # [T] int32
     meta: AttentionMetadata,
-    inv_freq: jax.Array,        # [D // 2]
-    cache_shape: tuple[int, ...],
+    geometry: CacheGeometry,
     *,
-    attention_backend: str = "reference",
-    attend: Callable[..., jax.Array] = paged_attention,
+    attention_backend: str = "auto",
+    attend: Callable[..., jax.Array] = attention,
     reduce: Callable[[jax.Array], jax.Array] = lambda y: y,
-) -> tuple[jax.Array, jax.Array, jax.Array]:   # x [B, T, E], k_flat, v_flat
-    """One pre-norm block: x += attn(norm(x)); x += mlp(norm(x)).
+) -> tuple[jax.Array, jax.Array, jax.Array]:   # x [T, E], k_flat, v_flat
+    """Every layer of `layers` in order, pre-norm: x += attn(norm(x)); x += mlp(norm(x)).
 
-    Under tensor parallelism (sharding/parallel_forward.py) `layer` holds one shard's heads and
-    mlp slice, so the outputs of `wo` and `w_down` are partial sums that `reduce` adds up over
-    the shards, and `attend` may stand in for `paged_attention` with the same signature.
-    KV writes to slots outside the cache are dropped (pipeline bubbles rely on it)."""
+    The weights are closed over, not scanned: each layer's matmuls get the stack and the layer
+    index (kernels/matmul.py reads the slice in place; the jnp path slices it).  Under tensor
+    parallelism (sharding/parallel_forward.py) `layers` holds one shard's heads and mlp slice,
+    so the outputs of `wo` and `w_down` are partial sums that `reduce` adds up over the shards,
+    and `attend` may stand in for `attention` with the same signature.  KV writes to slots
+    outside the cache are dropped (pipeline bubbles rely on it)."""
     c = config
-    b, t = x.shape[:2]
-    num_blocks, block_size, kvh, d = cache_shape[1:]
-    dest = i * num_blocks * block_size + meta.slot_mapping.reshape(-1)  # [B*T]
-    h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
-    q = jnp.einsum("bte,ehd->bthd", h, layer["wq"])
-    k = jnp.einsum("bte,ekd->btkd", h, layer["wk"])
-    v = jnp.einsum("bte,ekd->btkd", h, layer["wv"])
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
-    k_flat = k_flat.at[dest].set(k.reshape(b * t, kvh, d).astype(k_flat.dtype), mode="drop")
-    v_flat = v_flat.at[dest].set(v.reshape(b * t, kvh, d).astype(v_flat.dtype), mode="drop")
-    attn = attend(q, k_flat.reshape(cache_shape), v_flat.reshape(cache_shape), i,
-                  meta.block_tables, meta.q_lens, meta.kv_lens, scale=d ** -0.5,
-                  sliding_window=c.sliding_window, backend=attention_backend)  # [B, T, H, D]
-    # wo as a [H*D, E] matrix: contracting one merged axis keeps XLA from transposing the
-    # weight (a copy of it every step) to match the activation's head order.
-    b, t, h, d = attn.shape
-    wo = layer["wo"].reshape(h * d, -1)
-    x = x + reduce(jnp.einsum("btj,je->bte", attn.reshape(b, t, h * d), wo))
-    h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-    gate = jnp.einsum("bte,ef->btf", h, layer["w_gate"])
-    up = jnp.einsum("bte,ef->btf", h, layer["w_up"])
-    x = x + reduce(jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, layer["w_down"]))
+    t = x.shape[0]
+    kvh, d = k_flat.shape[1:]
+    layers = jax.tree_util.tree_map(jnp.asarray, layers)   # host arrays, outside jit
+    heads = layers["wq"].shape[2]
+    use_kernel = attention_backend_uses_kernels(attention_backend)
+    inv_freq = jnp.asarray(inverse_frequencies(c))
+    wq, wk, wv = (_as_matrix(layers[n], 2) for n in ("wq", "wk", "wv"))  # [L, E, heads*D]
+    wo = _as_matrix(layers["wo"], 1)                                      # [L, H*D, E]
+    per_layer = geometry.num_blocks * geometry.block_size
+
+    def layer_step(carry: tuple[jax.Array, ...], i: jax.Array) -> tuple[tuple[jax.Array, ...],
+                                                                      None]:
+        x, k_flat, v_flat = carry
+        h = rms_norm(x, layers["attn_norm"][i], c.rms_norm_eps)
+        q, k, v = layer_matmul(h, (wq, wk, wv), i, use_kernel=use_kernel)
+        q = apply_rope(q.reshape(t, heads, d), positions, inv_freq)       # [T, H, D]
+        k = apply_rope(k.reshape(t, kvh, d), positions, inv_freq)         # [T, K, D]
+        dest = i * per_layer + meta.slot_mapping                          # [T]
+        k_flat = k_flat.at[dest].set(k.astype(k_flat.dtype), mode="drop")
+        v_flat = v_flat.at[dest].set(v.reshape(t, kvh, d).astype(v_flat.dtype), mode="drop")
+        attn = attend(q, k_flat, v_flat, i, meta.token_rows, positions, meta.block_tables,
+                      num_blocks=geometry.num_blocks, block_size=geometry.block_size,
+                      scale=d ** -0.5, sliding_window=c.sliding_window,
+                      backend=attention_backend)                          # [T, H, D]
+        (o,) = layer_matmul(attn.reshape(t, heads * d), (wo,), i, use_kernel=use_kernel)
+        x = x + reduce(o)
+        h = rms_norm(x, layers["mlp_norm"][i], c.rms_norm_eps)
+        gate, up = layer_matmul(h, (layers["w_gate"], layers["w_up"]), i, use_kernel=use_kernel)
+        (down,) = layer_matmul(jax.nn.silu(gate) * up, (layers["w_down"],), i,
+                               use_kernel=use_kernel)
+        return (x + reduce(down), k_flat, v_flat), None
+
+    num_layers = layers["wq"].shape[0]
+    (x, k_flat, v_flat), _ = jax.lax.scan(layer_step, (x, k_flat, v_flat),
+                                          jnp.arange(num_layers, dtype=jnp.int32))
     return x, k_flat, v_flat
+
+
+def attention_backend_uses_kernels(backend: str) -> bool:
+    """Do the weight matmuls go through the native kernels (the `cpu` backend) or jnp?"""
+    from xlaserve.kernels.attention import resolve_backend
+
+    return resolve_backend(backend) == "cpu"
 
 
 def forward(
     params: Params,
     config: ModelConfig,
-    tokens: jax.Array,       # [B, T] int32
-    positions: jax.Array,    # [B, T] int32
+    tokens: jax.Array,       # [T] int32
+    positions: jax.Array,    # [T] int32
     kv: KVCache,
     meta: AttentionMetadata,
     *,
-    logits_index: jax.Array | None = None,  # [B] int32: one token per row, or None for all
-    attention_backend: str = "reference",
-) -> tuple[jax.Array, KVCache]:             # logits [B, V] or [B, T, V] float32; new cache
+    logits_index: jax.Array | None = None,  # [R] int32: one token per row, or None for all
+    attention_backend: str = "auto",
+) -> tuple[jax.Array, KVCache]:             # logits [R, V] or [T, V] float32; new cache
     c = config
-    _, _, _, kvh, d = kv.k.shape
-    inv_freq = jnp.asarray(inverse_frequencies(c))
-
-    x = params["embed"][tokens]                                          # [B, T, E]
-
-    def layer_step(carry, layer):
-        x, k_flat, v_flat, i = carry                                     # k_flat [L*N*bs, K, D]
-        x, k_flat, v_flat = decoder_layer(c, layer, x, k_flat, v_flat, i, positions, meta,
-                                          inv_freq, kv.k.shape,
-                                          attention_backend=attention_backend)
-        return (x, k_flat, v_flat, i + 1), None
-
-    k_flat = kv.k.reshape(-1, kvh, d)
-    v_flat = kv.v.reshape(-1, kvh, d)
-    (x, k_flat, v_flat, _), _ = jax.lax.scan(
-        layer_step, (x, k_flat, v_flat, jnp.int32(0)), params["layers"])
+    _, num_blocks, block_size, kvh, d = kv.k.shape
+    x = params["embed"][tokens]                                          # [T, E]
+    x, k_flat, v_flat = decoder_layers(
+        c, params["layers"], x, kv.k.reshape(-1, kvh, d), kv.v.reshape(-1, kvh, d), positions,
+        meta, CacheGeometry(num_blocks, block_size), attention_backend=attention_backend)
     new_kv = KVCache(k_flat.reshape(kv.k.shape), v_flat.reshape(kv.v.shape))
-
     if logits_index is not None:
-        x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, E]
+        x = x[logits_index]                                              # [R, E]
     x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
-    logits = output_logits(params, c, x)
+    logits = output_logits(params, c, x, use_kernel=attention_backend_uses_kernels(
+        attention_backend))
     return logits, new_kv
 
 
-def output_logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
-    """x: [..., E] (final-normed) -> logits [..., V] float32 (V / tp on a vocab shard)."""
+def output_logits(params: Params, config: ModelConfig, x: jax.Array, *,
+                  use_kernel: bool = False) -> jax.Array:
+    """x: [M, E] (final-normed) -> logits [M, V] float32 (V / tp on a vocab shard)."""
     if config.tie_word_embeddings:  # contract [V, E] as stored: `embed.T` would copy it
-        return jnp.einsum("...e,ve->...v", x, params["embed"],
-                          preferred_element_type=jnp.float32)
-    return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+        return head_matmul(x, params["embed"], use_kernel=use_kernel)
+    if use_kernel and x.dtype == jnp.float32:
+        (logits,) = layer_matmul(x, (params["lm_head"],), jnp.int32(0))
+        return logits
+    return jnp.einsum("me,ev->mv", x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,

@@ -33,10 +33,10 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x: [B, T, N, D]; positions: [B, T]; inv_freq: [D // 2] -> [B, T, N, D]."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq       # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    """x: [..., N, D]; positions: [...] (e.g. [T]); inv_freq: [D // 2] -> [..., N, D]."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq       # [..., D/2]
+    cos = jnp.cos(angles)[..., None, :]                                # [..., 1, D/2]
+    sin = jnp.sin(angles)[..., None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import AttentionMetadata, KVCache, Params, forward, init_kv_cache
+from xlaserve.models.llama import (AttentionMetadata, KVCache, Params, forward, init_kv_cache,
+                                   one_row_metadata)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class SequenceGenerator:
     """Generates for one sequence at a time over a private paged cache."""
 
     def __init__(self, params: Params, config: ModelConfig, *, max_len: int = 2048,
-                 block_size: int = 16, attention_backend: str = "reference"):
+                 block_size: int = 16, attention_backend: str = "auto"):
         self.params = params
         self.config = config
         self.block_size = block_size
@@ -52,16 +53,14 @@ class SequenceGenerator:
         self.backend = attention_backend
         # block 0 is the null block; the sequence owns blocks 1..width.
         self.kv = init_kv_cache(config, self.width + 1, block_size)
-        self.block_table = jnp.arange(1, self.width + 1, dtype=jnp.int32)[None]
+        self.block_table = np.arange(1, self.width + 1, dtype=np.int32)
 
     def _run(self, tokens: list[int], start: int, pad_to: int) -> np.ndarray:
         n = len(tokens)
-        toks = np.zeros((1, pad_to), np.int32)
-        toks[0, :n] = tokens
-        pos = np.arange(start, start + pad_to, dtype=np.int32)[None]
-        slots = np.where(np.arange(pad_to) < n, pos[0] + self.block_size, 0)[None]
-        meta = AttentionMetadata(self.block_table, jnp.array([n], jnp.int32),
-                                 jnp.array([start + n], jnp.int32), jnp.asarray(slots, jnp.int32))
+        toks = np.zeros(pad_to, np.int32)
+        toks[:n] = tokens
+        pos, meta = one_row_metadata(self.block_table, start, n, pad_to, self.block_size)
+        meta = AttentionMetadata(*(jnp.asarray(a) for a in meta))
         logits, self.kv = _step(self.params, self.config, jnp.asarray(toks), jnp.asarray(pos),
                                 self.kv, meta, jnp.array([n - 1], jnp.int32), self.backend)
         return np.asarray(logits[0])

@@ -2,24 +2,27 @@
 
 Every device runs one program under `shard_map` over both mesh axes, on its own slices:
 
-    tokens [B, T] (replicated)
-      -> embed       vocab rows split over `tensor`: local lookup, psum(tensor)    -> x [B, T, E]
-      -> split rows into M microbatches                                           -> [M, B/M, T, E]
+    tokens [T] (replicated; the runner's flat batch, see models/llama.py)
+      -> embed       vocab rows split over `tensor`: local lookup, psum(tensor)    -> x [T, E]
+      -> split tokens into M microbatches of T/M consecutive tokens               -> [M, T/M, E]
       -> pipeline    for tick in 0 .. M + P - 2:            (P = pipeline stages)
                        stage s works on microbatch tick - s (a bubble when out of range):
                        stage 0 reads the embedding, stage s > 0 what stage s-1 sent last tick;
-                       runs its L/P layers (models.llama.decoder_layer, Megatron TP inside:
+                       runs its L/P layers (models.llama.decoder_layers, Megatron TP inside:
                        local heads / mlp slice, psum(tensor) after wo and after w_down);
                        collective-permute(pipeline) the result to stage s + 1 (stage 0
                        receives nothing: it reads the next microbatch's embedding).
-                     The last stage keeps finished microbatches; one psum(pipeline) hands the
-                     [B, E] (or [B, T, E]) result to every stage.
-      -> final norm, logits over the local vocab slice                 -> logits [B, (T,) V/tp]
+                     The last stage keeps each row's logits token (or every token) from the
+                     microbatch holding it; one psum(pipeline) hands the [R, E] (or [T, E])
+                     result to every stage.
+      -> final norm, logits over the local vocab slice                 -> logits [R or T, V/tp]
          (a global array sharded over `tensor` on the vocab axis; nothing is gathered)
 
 The KV cache [L, N, bs, K, D] is split over `pipeline` on layers (each stage owns its layers'
 cache) and over `tensor` on KV heads when the layout splits them.  Bubble ticks write their KV
 to a slot outside the cache, which the scatter drops, so the cache comes out as on one device.
+Splitting the flat batch keeps attention causal: a stage runs microbatch j after j - 1, so a
+token's earlier positions in the same step (an earlier microbatch) are in the cache already.
 
 Why shard_map + ppermute rather than one compiled function per stage driven by the host: one
 compiled step keeps the runner's contract (one call per step, donated KV, no host round trip
@@ -40,11 +43,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from xlaserve.kernels.attention import paged_attention
+from xlaserve.kernels.attention import attention
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import (AttentionMetadata, KVCache, Params, decoder_layer,
+from xlaserve.models.llama import (AttentionMetadata, CacheGeometry, KVCache, Params,
+                                   attention_backend_uses_kernels, decoder_layers,
                                    output_logits, rms_norm)
-from xlaserve.models.rope import inverse_frequencies
 from xlaserve.sharding.layout import ShardLayout
 
 Forward = Callable[..., tuple[jax.Array, KVCache]]
@@ -65,7 +68,7 @@ def _shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any)
 
 
 def microbatch_count(batch: int, wanted: int) -> int:
-    """The largest divisor of `batch` that is at most `wanted` (rows split evenly)."""
+    """The largest divisor of `batch` that is at most `wanted` (tokens split evenly)."""
     return max(m for m in range(1, min(batch, wanted) + 1) if batch % m == 0)
 
 
@@ -74,8 +77,8 @@ def make_sharded_forward(config: ModelConfig, mesh: Mesh, *,
     """A forward with models.llama.forward's signature that runs on `mesh`.
 
     `params` and `kv` should already be placed by ShardLayout.create(config, mesh) (else jit
-    moves them on every call).  Rows are split into `num_microbatches` (default: the number of
-    pipeline stages; fewer when the batch does not divide) so that stages overlap.
+    moves them on every call).  Tokens are split into `num_microbatches` (default: the number
+    of pipeline stages; fewer when the batch does not divide) so that stages overlap.
     Raises ValueError at construction if the model cannot be laid out on the mesh."""
     layout = ShardLayout.create(config, mesh)
     pp, tp = layout.mesh.pipeline, layout.mesh.tensor
@@ -87,16 +90,16 @@ def make_sharded_forward(config: ModelConfig, mesh: Mesh, *,
 
     def forward(params: Params, config_: ModelConfig, tokens: jax.Array, positions: jax.Array,
                 kv: KVCache, meta: AttentionMetadata, *, logits_index: jax.Array | None = None,
-                attention_backend: str = "reference") -> tuple[jax.Array, KVCache]:
+                attention_backend: str = "auto") -> tuple[jax.Array, KVCache]:
         if config_ != config:
             raise ValueError("this sharded forward was built for another ModelConfig")
-        b = tokens.shape[0]
-        m = microbatch_count(b, wanted) if pp > 1 else 1
+        t = tokens.shape[0]
+        m = microbatch_count(t, wanted) if pp > 1 else 1
         all_tokens = logits_index is None
         if all_tokens:
-            logits_index = jnp.zeros((b,), jnp.int32)
+            logits_index = jnp.zeros((1,), jnp.int32)
         vocab = "tensor" if layout.vocab_split else None
-        logits_spec = P(None, None, vocab) if all_tokens else P(None, vocab)
+        logits_spec = P(None, vocab)
         body = functools.partial(_device_step, layout, m, all_tokens, attention_backend)
         step = _shard_map(body, mesh,
                           in_specs=(param_specs, P(), P(), kv_spec, kv_spec, P(), P()),
@@ -112,65 +115,52 @@ def make_sharded_forward(config: ModelConfig, mesh: Mesh, *,
 
 def _device_step(layout: ShardLayout, m: int, all_tokens: bool, attention_backend: str,
                  params: Params,
-                 tokens: jax.Array,        # [B, T]
-                 positions: jax.Array,     # [B, T]
+                 tokens: jax.Array,        # [T]
+                 positions: jax.Array,     # [T]
                  k_cache: jax.Array,       # [L/P, N, bs, K_local, D] this device's slice
                  v_cache: jax.Array,
-                 meta: AttentionMetadata,  # every row's metadata (replicated)
-                 logits_index: jax.Array,  # [B]
+                 meta: AttentionMetadata,  # every token's metadata (replicated)
+                 logits_index: jax.Array,  # [R]
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     c = layout.model
     pp, tp = layout.mesh.pipeline, layout.mesh.tensor
-    b = tokens.shape[0]
     cache_shape = k_cache.shape
-    kvh, d = cache_shape[3:]
-    inv_freq = jnp.asarray(inverse_frequencies(c))
+    num_blocks, block_size, kvh, d = cache_shape[1:]
+    geometry = CacheGeometry(num_blocks, block_size)
 
     def reduce(y: jax.Array) -> jax.Array:
         return lax.psum(y, "tensor") if tp > 1 else y
 
-    attend = paged_attention
+    attend = attention
     if tp > 1 and not layout.kv_heads_split:
         attend = functools.partial(_attend_with_replicated_kv, c.num_heads)
 
     def run_stage(x: jax.Array, positions: jax.Array, meta: AttentionMetadata,
                   k_flat: jax.Array, v_flat: jax.Array) -> tuple[jax.Array, ...]:
-        """This stage's layers over one microbatch; x [b, T, E], k_flat [L/P*N*bs, K, D]."""
-        def layer_step(carry: tuple[jax.Array, ...], layer: Params) -> tuple[Any, None]:
-            x, k_flat, v_flat, i = carry
-            x, k_flat, v_flat = decoder_layer(c, layer, x, k_flat, v_flat, i, positions, meta,
-                                              inv_freq, cache_shape,
-                                              attention_backend=attention_backend,
-                                              attend=attend, reduce=reduce)
-            return (x, k_flat, v_flat, i + 1), None
+        """This stage's layers over one microbatch; x [t, E], k_flat [L/P*N*bs, K, D]."""
+        return decoder_layers(c, params["layers"], x, k_flat, v_flat, positions, meta,
+                              geometry, attention_backend=attention_backend, attend=attend,
+                              reduce=reduce)
 
-        (x, k_flat, v_flat, _), _ = lax.scan(layer_step, (x, k_flat, v_flat, jnp.int32(0)),
-                                             params["layers"])
-        return x, k_flat, v_flat
-
-    def pick(x: jax.Array, index: jax.Array) -> jax.Array:
-        """[b, T, E] -> [b, E] at each row's logits token (or all tokens)."""
-        return x if all_tokens else jnp.take_along_axis(x, index[:, None, None], axis=1)[:, 0]
-
-    x = _embed(params["embed"], tokens, layout.vocab_split)             # [B, T, E]
+    x = _embed(params["embed"], tokens, layout.vocab_split)             # [T, E]
     k_flat = k_cache.reshape(-1, kvh, d)                                # [L/P*N*bs, K, D]
     v_flat = v_cache.reshape(-1, kvh, d)
     if pp == 1:
         x, k_flat, v_flat = run_stage(x, positions, meta, k_flat, v_flat)
-        hidden = pick(x, logits_index)
+        hidden = x if all_tokens else x[logits_index]
     else:
         hidden, k_flat, v_flat = _pipeline(
-            run_stage, pick, m, pp, x, positions, meta, logits_index, k_flat, v_flat)
+            run_stage, all_tokens, m, pp, x, positions, meta, logits_index, k_flat, v_flat)
 
-    hidden = rms_norm(hidden, params["final_norm"], c.rms_norm_eps)    # [B, (T,) E]
-    logits = output_logits(params, c, hidden)                          # [B, (T,) V/tp]
-    assert logits.shape[0] == b
+    hidden = rms_norm(hidden, params["final_norm"], c.rms_norm_eps)    # [R or T, E]
+    logits = output_logits(params, c, hidden, use_kernel=attention_backend_uses_kernels(
+        attention_backend))                                             # [R or T, V/tp]
     return logits, k_flat.reshape(cache_shape), v_flat.reshape(cache_shape)
 
 
 def _embed(table: jax.Array,   # [V/tp, E] this shard's vocabulary rows
-           tokens: jax.Array,  # [B, T]
-           vocab_split: bool) -> jax.Array:  # [B, T, E]
+           tokens: jax.Array,  # [T]
+           vocab_split: bool) -> jax.Array:  # [T, E]
     if not vocab_split:
         return table[tokens]
     rows = table.shape[0]
@@ -180,73 +170,79 @@ def _embed(table: jax.Array,   # [V/tp, E] this shard's vocabulary rows
     return lax.psum(x, "tensor")   # exactly one shard holds each token's row: the sum is exact
 
 
-def _attend_with_replicated_kv(num_heads: int, q: jax.Array, k_cache: jax.Array,
-                               v_cache: jax.Array, layer: jax.Array, block_tables: jax.Array,
-                               q_lens: jax.Array, kv_lens: jax.Array, *, scale: float,
-                               sliding_window: int | None, backend: str) -> jax.Array:
+def _attend_with_replicated_kv(num_heads: int, q: jax.Array, k_flat: jax.Array,
+                               v_flat: jax.Array, layer: jax.Array, token_rows: jax.Array,
+                               positions: jax.Array, block_tables: jax.Array,
+                               **kw: Any) -> jax.Array:
     """Attention for this shard's query heads when every shard holds all KV heads.
 
-    q: [B, T, H/tp, D] holds global heads [s*H/tp, (s+1)*H/tp).  The heads are put back at
-    their global positions in a zero [B, T, H, D] query so that the GQA grouping of any kernel
+    q: [T, H/tp, D] holds global heads [s*H/tp, (s+1)*H/tp).  The heads are put back at
+    their global positions in a zero [T, H, D] query so that the GQA grouping of any kernel
     (query head h reads KV head h // (H/K)) stays right, and this shard's heads are cut out of
     the result.  Heads are independent, so the zero heads change nothing; they cost attention
     FLOPs (x tp), which a kernel taking a head offset would remove."""
-    b, t, local, d = q.shape
+    t, local, d = q.shape
     start = lax.axis_index("tensor") * local
-    full = jnp.zeros((b, t, num_heads, d), q.dtype)
-    full = lax.dynamic_update_slice_in_dim(full, q, start, axis=2)
-    out = paged_attention(full, k_cache, v_cache, layer, block_tables, q_lens, kv_lens,
-                          scale=scale, sliding_window=sliding_window,
-                          backend=backend)                               # [B, T, H, D]
-    return lax.dynamic_slice_in_dim(out, start, local, axis=2)
+    full = jnp.zeros((t, num_heads, d), q.dtype)
+    full = lax.dynamic_update_slice_in_dim(full, q, start, axis=1)
+    out = attention(full, k_flat, v_flat, layer, token_rows, positions, block_tables,
+                    **kw)                                                # [T, H, D]
+    return lax.dynamic_slice_in_dim(out, start, local, axis=1)
 
 
-def _pipeline(run_stage: Callable[..., tuple[jax.Array, ...]],
-              pick: Callable[[jax.Array, jax.Array], jax.Array],
+def _pipeline(run_stage: Callable[..., tuple[jax.Array, ...]], all_tokens: bool,
               m: int, pp: int,
-              x: jax.Array,              # [B, T, E] embeddings (used by stage 0)
-              positions: jax.Array,      # [B, T]
+              x: jax.Array,              # [T, E] embeddings (used by stage 0)
+              positions: jax.Array,      # [T]
               meta: AttentionMetadata,
-              logits_index: jax.Array,   # [B]
+              logits_index: jax.Array,   # [R]
               k_flat: jax.Array, v_flat: jax.Array,
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """GPipe-style forward schedule over `m` microbatches of rows and `pp` stages.
+    """GPipe-style forward schedule over `m` microbatches of tokens and `pp` stages.
 
     tick:      0    1    2    3    4          (m = 3, pp = 3)
     stage 0:  mb0  mb1  mb2   -    -
     stage 1:   -   mb0  mb1  mb2   -
     stage 2:   -    -   mb0  mb1  mb2   -> finished microbatches kept by the last stage
     """
-    b = x.shape[0]
+    t = x.shape[0]
+    n = t // m                                                          # tokens per microbatch
 
-    def split(a: jax.Array) -> jax.Array:                               # [B, ...] -> [m, B/m, ...]
-        return a.reshape(m, b // m, *a.shape[1:])
+    def split(a: jax.Array) -> jax.Array:                               # [T, ...] -> [m, T/m, ...]
+        return a.reshape(m, n, *a.shape[1:])
 
-    xs, pos_mb, index_mb = split(x), split(positions), split(logits_index)
-    meta_mb = jax.tree_util.tree_map(split, meta)
+    xs, pos_mb = split(x), split(positions)
+    rows_mb, slots_mb = split(meta.token_rows), split(meta.slot_mapping)
     stage = lax.axis_index("pipeline")
     is_last = stage == pp - 1
     drop_slot = jnp.int32(k_flat.shape[0])  # beyond every layer's slots: the write is dropped
     shift = [(s, s + 1) for s in range(pp - 1)]  # the last stage sends nothing back
-    out_shape = jax.eval_shape(pick, xs[0], index_mb[0]).shape         # [B/m, (T,) E]
 
-    def tick(carry: tuple[jax.Array, ...], t: jax.Array) -> tuple[Any, None]:
+    def keep(y: jax.Array, j: jax.Array, outs: jax.Array, valid: jax.Array) -> jax.Array:
+        """Fold microbatch j's output y [T/m, E] into the kept result."""
+        if all_tokens:
+            done = jnp.where(valid & is_last, y, outs[j])
+            return lax.dynamic_update_index_in_dim(outs, done, j, axis=0)
+        local = logits_index - j * n                                    # [R]
+        mine = valid & is_last & (local >= 0) & (local < n)             # rows picked from mb j
+        return jnp.where(mine[:, None], y[jnp.clip(local, 0, n - 1)], outs)
+
+    def tick(carry: tuple[jax.Array, ...], tick_index: jax.Array) -> tuple[Any, None]:
         received, k_flat, v_flat, outs = carry
-        mb = t - stage
+        mb = tick_index - stage
         valid = (mb >= 0) & (mb < m)
         j = jnp.clip(mb, 0, m - 1)
-        inp = jnp.where(stage == 0, xs[j], received)                   # [B/m, T, E]
-        meta_j = jax.tree_util.tree_map(lambda a: a[j], meta_mb)
-        meta_j = meta_j._replace(
-            slot_mapping=jnp.where(valid, meta_j.slot_mapping, drop_slot))
+        inp = jnp.where(stage == 0, xs[j], received)                   # [T/m, E]
+        meta_j = AttentionMetadata(meta.block_tables, rows_mb[j],
+                                   jnp.where(valid, slots_mb[j], drop_slot))
         y, k_flat, v_flat = run_stage(inp, pos_mb[j], meta_j, k_flat, v_flat)
-        done = jnp.where(valid & is_last, pick(y, index_mb[j]), outs[j])
-        outs = lax.dynamic_update_index_in_dim(outs, done, j, axis=0)
+        outs = keep(y, j, outs, valid)
         received = lax.ppermute(y, "pipeline", shift)
         return (received, k_flat, v_flat, outs), None
 
-    outs = jnp.zeros((m, *out_shape), x.dtype)
+    outs = jnp.zeros((m, n, x.shape[1]) if all_tokens else (logits_index.shape[0], x.shape[1]),
+                     x.dtype)
     carry = (jnp.zeros_like(xs[0]), k_flat, v_flat, outs)
     (_, k_flat, v_flat, outs), _ = lax.scan(tick, carry, jnp.arange(m + pp - 1))
     hidden = lax.psum(jnp.where(is_last, outs, 0), "pipeline")        # only the last stage's
-    return hidden.reshape(b, *out_shape[1:]), k_flat, v_flat
+    return (hidden.reshape(t, -1) if all_tokens else hidden), k_flat, v_flat

@@ -19,8 +19,7 @@ from xlaserve.sharding.mesh import make_mesh
 ROOT = Path(__file__).resolve().parents[3]
 
 ENGINE_CONFIG = EngineConfig(max_model_len=1024, num_kv_blocks=1024, max_num_seqs=16,
-                             max_num_batched_tokens=512, max_prefill_chunk=256,
-                             max_prefill_tokens=256, min_table_width=16)
+                             max_num_batched_tokens=512, max_prefill_chunk=256, min_table_width=16)
 
 
 @pytest.fixture(scope="session")
@@ -46,9 +45,7 @@ def new_engine(warm: LLMEngine, model, **changes) -> LLMEngine:
 TINY_CONFIG = ModelConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=1,
                           num_heads=2, num_kv_heads=1, head_dim=16, eos_token_ids=(2,))
 TINY_ENGINE_CONFIG = EngineConfig(max_model_len=64, block_size=16, num_kv_blocks=32,
-                                  max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=32,
-                                  max_prefill_tokens=32, min_prefill_chunk=16, min_table_width=4,
-                                  max_prefill_rows=2)
+                                  max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=32, min_step_tokens=16, min_table_width=4)
 
 
 @pytest.fixture(scope="session")

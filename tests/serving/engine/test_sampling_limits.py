@@ -16,7 +16,7 @@ def test_runner_writes_top_k_past_the_vocabulary_as_off(warm_tiny) -> None:
     ks = [vocab - 1, vocab, MAX_INT32, 2 ** 40]
     rows = [RowInput([5], 0, [i + 1], i + 1, True, RowSampling(temperature=1.0, top_k=k))
             for i, k in enumerate(ks)]
-    host = runner.host_step(rows, 1)   # a decode call
+    host = runner.host_step(rows)   # a decode call
     assert host.top_k[:len(ks)].tolist() == [vocab - 1, 0, 0, 0]
 
 

@@ -22,8 +22,8 @@ def lose_nth_result(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner, n: int
     raises JAX's own error, as a failed device computation would."""
     real, calls = runner.run, itertools.count(1)
 
-    def run(rows, chunk):
-        result = real(rows, chunk)
+    def run(rows):
+        result = real(rows)
         if next(calls) == n:
             result.out.tokens.delete()
         return result

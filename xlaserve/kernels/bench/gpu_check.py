@@ -279,19 +279,22 @@ def model_decode(label: str, batches: list[int], context: int, backends: list[st
     import jax
     import jax.numpy as jnp
 
-    from xlaserve.models.llama import AttentionMetadata, forward, init_kv_cache, init_params
+    import numpy as np
+
+    from xlaserve.models.llama import (AttentionMetadata, decode_metadata, forward,
+                                       init_kv_cache, init_params)
 
     params = jax.tree_util.tree_map(jnp.asarray, init_params(config, seed=0))
     bs = 16
     rows = []
     for b in batches:
         w = -(-(context + 1) // bs)
-        tables = (1 + jnp.arange(b * w, dtype=jnp.int32)).reshape(b, w)
-        kv_lens = jnp.full((b,), context + 1, jnp.int32)
-        slots = (tables[:, context // bs] * bs + context % bs)[:, None]
-        meta = AttentionMetadata(tables, jnp.ones((b,), jnp.int32), kv_lens, slots)
-        tokens = jnp.zeros((b, 1), jnp.int32)
-        positions = jnp.full((b, 1), context, jnp.int32)
+        tables = (1 + np.arange(b * w, dtype=np.int32)).reshape(b, w)
+        positions = np.full(b, context, np.int32)
+        meta = AttentionMetadata(*(jnp.asarray(a) for a in
+                                   decode_metadata(tables, positions, bs)))
+        tokens = jnp.zeros(b, jnp.int32)
+        positions = jnp.asarray(positions)
         for backend in backends:
             row = dict(model=label, batch=b, context=context, backend=backend)
             if clock.left() < 0:

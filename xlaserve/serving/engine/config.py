@@ -17,14 +17,12 @@ class EngineConfig:
     max_num_seqs: int = 32               # decode rows per step
     max_num_batched_tokens: int = 1024   # token budget per step
     max_prefill_chunk: int = 512         # most prompt tokens one sequence gets per step
-    max_prefill_tokens: int = 512        # rows x chunk of one prefill call (packs short prompts)
-    max_prefill_rows: int = 8            # most prompts packed into one prefill call
-    min_prefill_chunk: int = 16
+    min_step_tokens: int = 16            # smallest token bucket of a step that is not all decodes
     min_table_width: int = 4
     aging_seconds: float = 30.0
     enable_prefix_caching: bool = True
     pipelined: bool = True               # schedule step n+1 while step n runs on device
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"      # see kernels/attention.py: cpu kernels on CPU
     seed: int = 0                        # seeds requests that bring none
     # Devices: each of `mesh.replicas` engines runs on its own `pipeline x tensor` mesh
     # (serving/engine/replicas.py builds the meshes, parameters and engines).
@@ -50,8 +48,6 @@ class EngineConfig:
     @property
     def bucket_plan(self) -> BucketPlan:
         return BucketPlan.for_limits(
-            max_num_seqs=self.max_num_seqs, max_chunk=self.max_prefill_chunk,
-            max_prefill_tokens=max(self.max_prefill_tokens, self.max_prefill_chunk),
-            max_width=self.max_model_len // self.block_size,
-            min_chunk=self.min_prefill_chunk, min_width=self.min_table_width,
-            block_size=self.block_size, max_prefill_rows=self.max_prefill_rows)
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_width=self.max_model_len // self.block_size, min_tokens=self.min_step_tokens,
+            min_width=self.min_table_width, block_size=self.block_size)

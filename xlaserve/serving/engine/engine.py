@@ -2,7 +2,8 @@
 
     add(request) ──> scheduler queue
     step():  plan = scheduler.schedule()          host: which rows run, with which blocks
-             calls = runner.run(plan rows)        device: launched, not awaited
+             call = runner.run(plan rows)         device: one call for every row (decodes and
+                                                  prefill chunks), launched, not awaited
              process the previous step's calls    host: fetch tokens (the device is busy with
                                                   this step meanwhile), detokenize, stop checks,
                                                   events, finish
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Launched:
     plan: StepPlan
-    calls: list[tuple[CallResult, list[ScheduledSeq]]]
+    call: CallResult | None = None   # None until launched (a failed launch leaves it None)
 
 
 class LLMEngine:
@@ -115,7 +116,7 @@ class LLMEngine:
         for rid in plan.preempted:  # recomputed from known tokens: its slot is not needed
             self._release_slot(rid)
         if not plan.is_empty:
-            launched = _Launched(plan, [])
+            launched = _Launched(plan)
             self._in_flight.append(launched)  # before launching: a failure must see it
             self._launch(launched)
             self.num_steps += 1
@@ -152,19 +153,7 @@ class LLMEngine:
                         self._slot(row.request_id), row.sample, sampling or RowSampling())
 
     def _launch(self, launched: _Launched) -> None:
-        plan, calls = launched.plan, launched.calls
-        buckets = self.runner.buckets
-        if plan.decodes:
-            rows = list(plan.decodes)
-            calls.append((self.runner.run([self._row(r) for r in rows], 1), rows))
-        groups: dict[int, list[ScheduledSeq]] = {}
-        for r in plan.prefills:
-            groups.setdefault(buckets.chunk(r.num_tokens), []).append(r)
-        for chunk, rows in sorted(groups.items()):
-            most = buckets.prefill_rows(chunk)[-1]
-            for i in range(0, len(rows), most):
-                part = rows[i:i + most]
-                calls.append((self.runner.run([self._row(r) for r in part], chunk), part))
+        launched.call = self.runner.run([self._row(r) for r in launched.plan.rows])
 
     def _process_oldest(self) -> None:
         """Read back the oldest step in flight; it leaves `_in_flight` only once processed."""
@@ -174,9 +163,9 @@ class LLMEngine:
     def _process(self, launched: _Launched) -> None:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
-        for call, rows in launched.calls:
-            host = call.fetch()
-            for i, row in enumerate(rows):
+        if launched.call is not None:
+            host = launched.call.fetch()
+            for i, row in enumerate(launched.plan.rows):
                 if not row.sample:
                     continue
                 sampled[row.request_id] = int(host["tokens"][i])

@@ -1,21 +1,20 @@
 """The bucket plan: every shape the device step is compiled for.
 
-A call is `[rows, tokens]` with a block-table width `W`:
-  decode   rows in `decode_batch_sizes`, tokens = 1
-  prefill  tokens (chunk length) in `prefill_chunk_sizes`, rows in powers of two up to
-           `max_prefill_rows` with rows * tokens <= `max_prefill_tokens`, so many short prompts
-           share one call
-  width    every call also picks W from `table_widths` (blocks per row the attention reads);
-           a chunk of T tokens needs at least T / block_size blocks, so narrower widths are
-           not compiled for it
-All of them compile during warm-up; serving pads each batch up to the next bucket.  Sampling is
+A step is one call over a flat batch of T tokens from R rows, block tables W wide
+(rows, tokens, width):
+  decode   every row feeds one token: T = R, token r is row r's (rows in `row_sizes`)
+  mixed    anything else (prefill chunks, with or without decodes): T in `token_sizes`, R in
+           `row_sizes` with R < T, so a mixed bucket is never mistaken for a decode one
+  width    every call also picks W from `table_widths` (blocks per row the attention may read);
+           a backend that reads only each row's real blocks (the CPU kernels) needs one width
+All of them compile during warm-up; serving pads each step up to the next bucket.  Sampling is
 compiled separately, once per row count.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -29,59 +28,53 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    decode_batch_sizes: tuple[int, ...]
-    prefill_chunk_sizes: tuple[int, ...]
-    max_prefill_tokens: int
-    table_widths: tuple[int, ...]
+    row_sizes: tuple[int, ...]       # R of every bucket (decode batch sizes)
+    token_sizes: tuple[int, ...]     # T of mixed buckets
+    table_widths: tuple[int, ...]    # W of every bucket
     block_size: int = 16
-    max_prefill_rows: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("decode_batch_sizes", "prefill_chunk_sizes", "table_widths"):
+        for name in ("row_sizes", "token_sizes", "table_widths"):
             v = getattr(self, name)
             if not v or list(v) != sorted(set(v)) or v[0] < 1:
                 raise ValueError(f"BucketPlan.{name} must be strictly increasing positive ints, "
                                  f"got {v}")
-        if self.max_prefill_tokens < self.prefill_chunk_sizes[-1]:
-            raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} is smaller than the "
-                             f"largest chunk {self.prefill_chunk_sizes[-1]}")
+        if self.token_sizes[-1] <= self.row_sizes[-1]:
+            raise ValueError(f"the largest token bucket ({self.token_sizes[-1]}) must exceed the "
+                             f"largest row bucket ({self.row_sizes[-1]}): a step of that many "
+                             f"rows with one prefill token more needs it")
 
     @classmethod
-    def for_limits(cls, *, max_num_seqs: int, max_chunk: int, max_prefill_tokens: int,
-                   max_width: int, min_chunk: int = 16, min_width: int = 4,
-                   block_size: int = 16, max_prefill_rows: int = 8) -> "BucketPlan":
-        return cls(decode_batch_sizes=powers_of_two(1, max_num_seqs),
-                   prefill_chunk_sizes=powers_of_two(min(min_chunk, max_chunk), max_chunk),
-                   max_prefill_tokens=max_prefill_tokens,
+    def for_limits(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_width: int,
+                   min_tokens: int = 16, min_width: int = 4,
+                   block_size: int = 16) -> BucketPlan:
+        max_tokens = max(max_num_batched_tokens, max_num_seqs + 1)
+        return cls(row_sizes=powers_of_two(1, max_num_seqs),
+                   token_sizes=powers_of_two(min(min_tokens, max_tokens), max_tokens),
                    table_widths=powers_of_two(min(min_width, max_width), max_width),
-                   block_size=block_size, max_prefill_rows=max_prefill_rows)
+                   block_size=block_size)
+
+    def single_width(self) -> BucketPlan:
+        """The same plan with only its widest table (for attention that reads real blocks)."""
+        return replace(self, table_widths=self.table_widths[-1:])
 
     @property
-    def max_chunk(self) -> int:
-        return self.prefill_chunk_sizes[-1]
+    def max_tokens(self) -> int:
+        return self.token_sizes[-1]
 
-    def prefill_rows(self, chunk: int) -> tuple[int, ...]:
-        return powers_of_two(1, max(1, min(self.max_prefill_rows,
-                                           self.max_prefill_tokens // chunk)))
-
-    def prefill_widths(self, chunk: int) -> tuple[int, ...]:
-        need = -(-chunk // self.block_size)
-        wide = tuple(w for w in self.table_widths if w >= need)
-        return wide or self.table_widths[-1:]
+    def mixed_rows(self, tokens: int) -> tuple[int, ...]:
+        return tuple(r for r in self.row_sizes if r < tokens)
 
     def shapes(self) -> list[tuple[int, int, int]]:
         """All (rows, tokens, width) buckets of the forward pass."""
-        out = [(b, 1, w) for b in self.decode_batch_sizes for w in self.table_widths]
-        for t in self.prefill_chunk_sizes:
-            out += [(r, t, w) for r in self.prefill_rows(t) for w in self.prefill_widths(t)]
+        out = [(r, r, w) for r in self.row_sizes for w in self.table_widths]
+        for t in self.token_sizes:
+            out += [(r, t, w) for r in self.mixed_rows(t) for w in self.table_widths]
         return out
 
     def sample_rows(self) -> tuple[int, ...]:
         """Row counts the sampler is compiled for."""
-        rows = set(self.decode_batch_sizes)
-        for t in self.prefill_chunk_sizes:
-            rows.update(self.prefill_rows(t))
-        return tuple(sorted(rows))
+        return self.row_sizes
 
     @staticmethod
     def _fit(sizes: tuple[int, ...], n: int, what: str) -> int:
@@ -90,15 +83,11 @@ class BucketPlan:
             raise ValueError(f"{what}={n} exceeds the largest bucket {sizes[-1]}")
         return sizes[i]
 
-    def decode_rows(self, n: int) -> int:
-        return self._fit(self.decode_batch_sizes, n, "decode batch")
-
-    def chunk(self, n: int) -> int:
-        return self._fit(self.prefill_chunk_sizes, n, "prefill chunk")
-
-    def rows(self, chunk: int, n: int) -> int:
-        return self._fit(self.prefill_rows(chunk), n, f"prefill rows of chunk {chunk}")
-
-    def width(self, n: int, chunk: int = 1) -> int:
-        return self._fit(self.prefill_widths(chunk) if chunk > 1 else self.table_widths, n,
-                         "block-table width")
+    def fit(self, rows: int, tokens: int, width: int) -> tuple[int, int, int]:
+        """The bucket for a step of `rows` rows feeding `tokens` tokens over `width` blocks."""
+        if rows < 1 or tokens < rows:
+            raise ValueError(f"a step needs >= 1 row and >= 1 token per row, got {rows} rows "
+                             f"and {tokens} tokens")
+        r = self._fit(self.row_sizes, rows, "rows")
+        t = r if tokens == rows else self._fit(self.token_sizes, max(tokens, r + 1), "tokens")
+        return r, t, self._fit(self.table_widths, width, "block-table width")

@@ -1,8 +1,9 @@
 """Where a run's device time goes, bucket by bucket (a diagnostic; no jax here).
 
 A ModelRunner with a `CallProfile` attached waits for every call to finish and records it under
-its bucket (rows, tokens, width): calls, seconds, real tokens (the rows' `q_lens`) and padded
-tokens (rows x tokens of the bucket).  Waiting serialises the pipeline — host scheduling of step
+its bucket (rows, tokens, width): calls, seconds, real tokens (the tokens its rows feed) and
+padded tokens (the bucket's tokens).  A bucket with one token per row (tokens == rows) is a
+decode step; any other holds prefill chunks, often with decode rows beside them.  Waiting serialises the pipeline — host scheduling of step
 n+1 no longer overlaps step n — so a profiled run is slower than a timed one and is only for
 splitting time among buckets ("count before you optimise").
 """
@@ -28,25 +29,25 @@ class CallProfile:
     buckets: dict[Shape, BucketTime] = field(default_factory=dict)
 
     def record(self, shape: Shape, seconds: float, real_tokens: int) -> None:
-        rows, tokens, _ = shape
-        if seconds < 0 or not 0 < real_tokens <= rows * tokens:
+        _, tokens, _ = shape
+        if seconds < 0 or not 0 < real_tokens <= tokens:
             raise ValueError(f"call {shape}: seconds={seconds}, real_tokens={real_tokens} "
-                             f"(a call has 1..{rows * tokens} real tokens)")
+                             f"(a call has 1..{tokens} real tokens)")
         b = self.buckets.setdefault(shape, BucketTime())
         b.calls += 1
         b.seconds += seconds
         b.real_tokens += real_tokens
-        b.padded_tokens += rows * tokens
+        b.padded_tokens += tokens
 
     @property
     def seconds(self) -> float:
         return sum(b.seconds for b in self.buckets.values())
 
     def phase_seconds(self) -> dict[str, float]:
-        """Seconds in decode calls (1 token a row) and in prefill calls."""
+        """Seconds in decode calls (one token a row) and in calls holding prefill chunks."""
         out = {"decode": 0.0, "prefill": 0.0}
-        for (_, tokens, _), b in self.buckets.items():
-            out["decode" if tokens == 1 else "prefill"] += b.seconds
+        for (rows, tokens, _), b in self.buckets.items():
+            out["decode" if tokens == rows else "prefill"] += b.seconds
         return out
 
     def rows(self) -> list[dict[str, Any]]:
@@ -66,7 +67,7 @@ def format_rows(rows: list[dict[str, Any]], top: int = 12) -> str:
     """A Markdown table of `CallProfile.rows()` (as stored in a report), the first `top` rows
     and a line summing the rest, under a line of decode / prefill totals."""
     total = sum(r["seconds"] for r in rows) or 1.0
-    decode = sum(r["seconds"] for r in rows if r["tokens"] == 1)
+    decode = sum(r["seconds"] for r in rows if r["tokens"] == r["rows"])
     title = (f"device calls: {total:.1f} s in all — decode {decode:.1f} s, "
              f"prefill {total - decode:.1f} s")
     head = "| bucket (rows, tokens, width) | calls | s | share | ms/call | real / padded tokens |"

@@ -12,16 +12,15 @@ import numpy as np
 
 
 class HostStep(NamedTuple):
-    """One call's padded host inputs, R rows x T tokens, block tables W wide.  Plain numpy, so
-    process 0 can hand it to the other processes of a multi-host mesh as it is."""
+    """One call's padded host inputs: T tokens of R rows, flat, block tables W wide.  Plain
+    numpy, so process 0 can hand it to the other processes of a multi-host mesh as it is."""
 
-    tokens: np.ndarray        # [R, T] int32, PENDING = take from the row's token slot
-    positions: np.ndarray     # [R, T] int32
+    tokens: np.ndarray        # [T] int32, PENDING = take from the token's row's token slot
+    positions: np.ndarray     # [T] int32
+    token_rows: np.ndarray    # [T] int32, -1 = padding
+    slot_mapping: np.ndarray  # [T] int32, padding writes the null block
     block_tables: np.ndarray  # [R, W] int32
-    q_lens: np.ndarray        # [R] int32
-    kv_lens: np.ndarray       # [R] int32
-    slot_mapping: np.ndarray  # [R, T] int32, padding writes the null block
-    logits_index: np.ndarray  # [R] int32
+    logits_index: np.ndarray  # [R] int32: the token whose logits the row samples from
     row_slot: np.ndarray      # [R] int32
     sample_mask: np.ndarray   # [R] bool
     temperature: np.ndarray   # [R] float32
@@ -36,16 +35,17 @@ class HostStep(NamedTuple):
     def specs(r: int, t: int, w: int, vocab: int | None) -> list[tuple[tuple[int, ...], Any]]:
         """(shape, dtype) of every field in order; `vocab` None = no bias array."""
         i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
-        out = [((r, t), i32), ((r, t), i32), ((r, w), i32), ((r,), i32), ((r,), i32),
-               ((r, t), i32), ((r,), i32), ((r,), i32), ((r,), np.dtype(np.bool_)),
+        out = [((t,), i32), ((t,), i32), ((t,), i32), ((t,), i32), ((r, w), i32),
+               ((r,), i32), ((r,), i32), ((r,), np.dtype(np.bool_)),
                ((r,), f32), ((r,), i32), ((r,), f32), ((r,), f32), ((r,), np.dtype(np.uint32)),
                ((r,), i32)]
         return out + ([((r, vocab), f32)] if vocab is not None else [])
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        r, t = self.tokens.shape
-        return r, t, self.block_tables.shape[1]
+        """(rows, tokens, width): the bucket."""
+        r, w = self.block_tables.shape
+        return r, self.tokens.shape[0], w
 
     def arrays(self) -> list[np.ndarray]:
         return [a for a in self if a is not None]

@@ -1,10 +1,12 @@
 """The model runner: step plans in, sampled tokens out, over device-resident state.
 
-    rows (host: token ids, positions, block tables, sampling params)
-      -> pad to a bucket (rows, tokens, width): HostStep, plain numpy arrays
+    rows (host: token ids, positions, block tables, sampling params): every row of the step,
+    decodes and prefill chunks alike, in one call
+      -> one flat batch padded to a bucket (rows, tokens, width): HostStep, plain numpy arrays
+         (tokens of row 0, row 1, ..., then padding; see buckets.py)
       -> [multi-host: process 0 broadcasts the HostStep; every process runs the same call]
       -> two AOT-compiled calls on the mesh (inputs replicated on every device):
-         forward  tokens[PENDING] <- token_slots[row_slot]  (the token sampled last step)
+         forward  tokens[PENDING] <- token_slots[row_slot[row]]  (the token sampled last step)
                   logits, kv = forward(...)                 (kv donated: updated in place)
                   one device: models.llama.forward; a bigger mesh: the shard_map forward
                   (sharding/parallel_forward.py), logits [R, V] split over `tensor`
@@ -41,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xlaserve.kernels.attention import resolve_backend
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import AttentionMetadata, KVCache, Params, forward
 from xlaserve.serving.runner.buckets import BucketPlan
@@ -96,8 +99,8 @@ def _forward_step(params: Params, kv: KVCache, token_slots: jax.Array, tokens: j
                   positions: jax.Array, meta: AttentionMetadata, logits_index: jax.Array,
                   row_slot: jax.Array, *, forward: Forward, config: ModelConfig, backend: str,
                   replicated: NamedSharding | None) -> tuple[KVCache, jax.Array]:
-    # tokens, positions: [R, T]; logits_index, row_slot: [R] -> logits [R, V]
-    pending = token_slots[row_slot][:, None]                            # [R, 1]
+    # tokens, positions: [T]; logits_index, row_slot: [R] -> logits [R, V]
+    pending = token_slots[row_slot[jnp.clip(meta.token_rows, 0, None)]]  # [T]
     tokens = jnp.where(tokens == PENDING, pending, tokens)
     logits, kv = forward(params, config, tokens, positions, kv, meta,
                          logits_index=logits_index, attention_backend=backend)  # [R, V(/tp)]
@@ -125,7 +128,7 @@ class ModelRunner:
 
     def __init__(self, params: Params, config: ModelConfig, mesh: Mesh, *, num_blocks: int,
                  block_size: int, max_num_seqs: int, buckets: BucketPlan,
-                 attention_backend: str = "reference", kv_dtype: str | None = None,
+                 attention_backend: str = "auto", kv_dtype: str | None = None,
                  num_microbatches: int | None = None, peer_timeout_s: float = 60.0):
         self.config = config
         self.mesh = mesh
@@ -133,8 +136,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
-        self.buckets = buckets
-        self.backend = attention_backend
+        self.backend = resolve_backend(attention_backend, mesh.devices.flat[0].platform)
+        # The CPU kernels read only each row's real blocks: one table width serves every step.
+        self.buckets = buckets.single_width() if self.backend == "cpu" else buckets
         self.replicated = NamedSharding(mesh, PartitionSpec())
         # Already placed parameters (checkpoints.store.load_params) stay where they are; host or
         # differently placed ones are moved to the layout's shardings once, here.
@@ -149,7 +153,7 @@ class ModelRunner:
                                out_shardings=KVCache(kv_sharding, kv_sharding))  # compiled once
         self._jitted = jax.jit(
             functools.partial(_forward_step, forward=fwd, config=config,
-                              backend=attention_backend,
+                              backend=self.backend,
                               replicated=self.replicated if sharded else None),
             donate_argnames=("kv",),
             out_shardings=(KVCache(kv_sharding, kv_sharding), self.replicated))
@@ -192,9 +196,9 @@ class ModelRunner:
         def spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
 
-        (tok, pos, tables, q_lens, kv_lens, slots, index, row_slot, mask, *sampling) = [
+        (tok, pos, token_rows, slots, tables, index, row_slot, mask, *sampling) = [
             spec(shape, dtype) for shape, dtype in HostStep.specs(r, t, w, self.config.vocab_size)]
-        meta = AttentionMetadata(tables, q_lens, kv_lens, slots)
+        meta = AttentionMetadata(tables, token_rows, slots)
         forward_args = (self.params, self.kv, self.token_slots, tok, pos, meta, index, row_slot)
         logits = spec((r, self.config.vocab_size), jnp.float32)
         sample_args = (logits, self.token_slots, row_slot, mask, SamplingArrays(*sampling))
@@ -230,9 +234,9 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------------------------
 
-    def run(self, rows: Sequence[RowInput], chunk: int) -> CallResult:
-        """One call over `rows`, each feeding at most `chunk` tokens (1 for decode)."""
-        host = self.host_step(rows, chunk)
+    def run(self, rows: Sequence[RowInput]) -> CallResult:
+        """One call over `rows` (decodes and prefill chunks alike), in their order."""
+        host = self.host_step(rows)
         if self.channel is not None:
             self._require_leader("run")
             self.channel.send(Op.STEP, host)
@@ -241,7 +245,8 @@ class ModelRunner:
         start = time.perf_counter()
         out = self._execute(host)
         jax.block_until_ready(out.tokens)      # serialises the pipeline: diagnostics only
-        self.profile.record(host.shape, time.perf_counter() - start, int(host.q_lens.sum()))
+        self.profile.record(host.shape, time.perf_counter() - start,
+                            int((host.token_rows >= 0).sum()))
         return CallResult(len(rows), out)
 
     def follow(self) -> int:
@@ -273,26 +278,22 @@ class ModelRunner:
             raise RuntimeError(f"{what}: only process 0 drives a multi-host mesh; process "
                                f"{jax.process_index()} must call follow()")
 
-    def host_step(self, rows: Sequence[RowInput], chunk: int) -> HostStep:
-        """Pad `rows` to their bucket: the host arrays of one call."""
+    def host_step(self, rows: Sequence[RowInput]) -> HostStep:
+        """Lay `rows` out as one flat batch padded to its bucket: the host arrays of one call."""
+        if not rows:
+            raise ValueError("a call needs at least one row")
         n = len(rows)
-        if chunk == 1:
-            r = self.buckets.decode_rows(n)
-            t = 1
-        else:
-            t = self.buckets.chunk(chunk)
-            r = self.buckets.rows(t, n)
-        w = self.buckets.width(max(len(row.block_table) for row in rows), t)
+        num_tokens = sum(len(row.token_ids) for row in rows)
+        r, t, w = self.buckets.fit(n, num_tokens, max(len(row.block_table) for row in rows))
         if (r, t, w) not in self._compiled:
             raise RuntimeError(f"bucket (rows={r}, tokens={t}, width={w}) was not compiled in "
                                f"warm-up; compiled: {len(self._compiled)} buckets")
         bs, vocab = self.block_size, self.config.vocab_size
-        tokens = np.zeros((r, t), np.int32)
-        positions = np.zeros((r, t), np.int32)
-        slots = np.zeros((r, t), np.int32)          # padding tokens write the null block
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        token_rows = np.full(t, -1, np.int32)
+        slots = np.zeros(t, np.int32)               # padding tokens write the null block
         tables = np.zeros((r, w), np.int32)
-        q_lens = np.zeros(r, np.int32)
-        kv_lens = np.zeros(r, np.int32)
         logits_index = np.zeros(r, np.int32)
         row_slot = np.zeros(r, np.int32)
         sample_mask = np.zeros(r, np.bool_)
@@ -303,22 +304,23 @@ class ModelRunner:
         seed = np.zeros(r, np.uint32)
         counter = np.zeros(r, np.int32)
         bias: np.ndarray | None = None
+        at = 0
         for i, row in enumerate(rows):
             k = len(row.token_ids)
-            if not 0 < k <= t:
-                raise ValueError(f"row {i} feeds {k} tokens, the call takes 1..{t}")
+            if k < 1:
+                raise ValueError(f"row {i} feeds no tokens")
             table = np.asarray(row.block_table, np.int32)
             pos = np.arange(row.start_position, row.start_position + k, dtype=np.int32)
             if len(table) * bs < pos[-1] + 1:
                 raise ValueError(f"row {i}: block table of {len(table)} blocks cannot hold "
                                  f"position {pos[-1]}")
-            tokens[i, :k] = row.token_ids
-            positions[i, :k] = pos
-            slots[i, :k] = table[pos // bs] * bs + pos % bs
+            tokens[at:at + k] = row.token_ids
+            positions[at:at + k] = pos
+            token_rows[at:at + k] = i
+            slots[at:at + k] = table[pos // bs] * bs + pos % bs
             tables[i, : len(table)] = table
-            q_lens[i] = k
-            kv_lens[i] = pos[-1] + 1
-            logits_index[i] = k - 1
+            logits_index[i] = at + k - 1
+            at += k
             row_slot[i] = row.slot
             sample_mask[i] = row.sample
             s = row.sampling
@@ -329,16 +331,15 @@ class ModelRunner:
                 if bias is None:
                     bias = np.zeros((r, self.config.vocab_size), np.float32)
                 bias[i] = s.bias
-        return HostStep(tokens, positions, tables, q_lens, kv_lens, slots, logits_index,
-                        row_slot, sample_mask, temperature, top_k, top_p, min_p, seed, counter,
-                        bias)
+        return HostStep(tokens, positions, token_rows, slots, tables, logits_index, row_slot,
+                        sample_mask, temperature, top_k, top_p, min_p, seed, counter, bias)
 
     def _execute(self, host: HostStep) -> SampleOutput:
         """Launch the compiled call for `host` (asynchronously); the runner's state advances."""
         fn = self._compiled[host.shape]
         put = self._put
         bias = put(host.bias) if host.bias is not None else self._zeros_bias(host.shape[0])
-        meta = AttentionMetadata(put(host.block_tables), put(host.q_lens), put(host.kv_lens),
+        meta = AttentionMetadata(put(host.block_tables), put(host.token_rows),
                                  put(host.slot_mapping))
         sampling = SamplingArrays(put(host.temperature), put(host.top_k), put(host.top_p),
                                   put(host.min_p), put(host.seed), put(host.counter), bias)

@@ -1,0 +1,68 @@
+"""The native CPU weight matmuls against their jnp references, on random shapes: small and
+large M, K and N that are and are not multiples of the vector width and the column tile, several
+weights in one call, the layer index reading its own slice of the stack."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tests.kernels.kernel_cases import rel_error
+
+from xlaserve.kernels.matmul import (head_matmul, head_matmul_reference, layer_matmul,
+                                     layer_matmul_reference, uses_kernel)
+
+
+def test_the_kernel_is_built_and_used_on_cpu():
+    assert uses_kernel(jnp.zeros((1, 4), jnp.float32), True)
+    assert not uses_kernel(jnp.zeros((1, 4), jnp.bfloat16), True)
+    assert not uses_kernel(jnp.zeros((1, 4), jnp.float32), False)
+
+
+@pytest.mark.parametrize("m,k,ns", [
+    (1, 576, (576, 192, 192)),   # SmolLM2 q, k, v in one call
+    (3, 64, (1536, 1536)),       # gate, up
+    (8, 1536, (576,)),           # down
+    (9, 100, (37, 16, 48)),      # column tails: 37 = 2 x 16 + 5, one whole tile
+    (32, 50, (200,)),
+    (257, 128, (64, 49)),        # prefill-sized M, not a multiple of the row tile
+])
+def test_layer_matmul_matches_reference(m, k, ns):
+    rng = np.random.default_rng(m * 1000 + k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((4, k, n)), jnp.float32) for n in ns]
+    for layer in (0, 3):
+        got = jax.jit(lambda x, *w: layer_matmul(x, w, jnp.int32(layer)))(x, *ws)
+        want = layer_matmul_reference(x, ws, layer)
+        assert len(got) == len(ns)
+        for g, w, n in zip(got, want, ns):
+            assert g.shape == (m, n)
+            assert rel_error(g, w) < 1e-5
+
+
+def test_layer_matmul_takes_an_unstacked_weight():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 40)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((40, 70)), jnp.float32)
+    (got,) = layer_matmul(x, (w,), jnp.int32(0))
+    assert rel_error(got, x @ w) < 1e-5
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 49152), (5, 50, 130), (32, 576, 1000),
+                                   (17, 33, 7)])
+def test_head_matmul_matches_reference(m, k, n):
+    rng = np.random.default_rng(n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    table = jnp.asarray(rng.standard_normal((n, k)), jnp.float32)
+    got = jax.jit(head_matmul)(x, table)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    assert rel_error(got, head_matmul_reference(x, table)) < 1e-5
+
+
+def test_shapes_are_checked_with_their_values():
+    x = jnp.zeros((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"K = 8, got shape \(3, 9, 4\)"):
+        layer_matmul(x, (jnp.zeros((3, 9, 4)),), jnp.int32(0))
+    with pytest.raises(ValueError, match=r"table must be \[V, E=8\], got \(4, 9\)"):
+        head_matmul(x, jnp.zeros((4, 9)))

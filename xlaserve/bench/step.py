@@ -1,0 +1,294 @@
+"""`xlaserve bench step`: every kind of device step timed next to its floor, in one process.
+
+    probes   read bandwidth: threaded numpy passes that only read a 512 MiB array (sum, dot),
+             the best of them; copy bandwidth (read + write, reported, not the floor's: a
+             decode step reads); GEMM rate: XLA's f32 dot of [1024, 1024] x [1024, 1024], and
+             the native kernel on the same shape when it is built (the higher is the rate)
+    steps    runner.run of real rows on the engine's runner (its backend, its buckets), each
+             waited for; median of `repeats` calls:
+               decode   R rows of one token over a `context`-token history, table width W
+               prefill  one row of C prompt tokens (fresh: nothing cached)
+    floor    max(bytes read / read bandwidth, FLOPs / GEMM rate) of that step:
+               bytes    the weights a step reads (all of them; an untied input embedding one
+                        row per token) + the K/V it attends to + the K/V it writes
+               FLOPs    2 x matmul weights x tokens + 2 x logits rows x V x E + attention
+                        (4 x H x D per query-key pair)
+    breakdown (--breakdown) the same step's parts alone at its shapes: the 30-layer weight
+             matmuls, the attention of every layer, the output head, the sampler, and the host
+             time to lay the rows out (HostStep)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlaserve.bench.roofline import decode_read_bytes
+from xlaserve.models.config import ModelConfig
+from xlaserve.serving.runner.runner import PENDING, ModelRunner, RowInput
+
+
+def _median(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+# -- probes ---------------------------------------------------------------------------------------
+
+
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, float]:
+    """Bytes read per second by passes that only read, one thread per core (GB/s per probe)."""
+    a = np.ones(nbytes // 4, np.float32)
+    n = os.cpu_count() or 1
+    bounds = [(int(p[0]), int(p[-1]) + 1) for p in np.array_split(np.arange(a.size), n)]
+    probes = {"sum": lambda s, e: a[s:e].sum(), "dot": lambda s, e: np.dot(a[s:e], a[s:e])}
+    out = {}
+    with ThreadPoolExecutor(n) as pool:
+        for name, f in probes.items():
+            sec = _median(lambda: list(pool.map(lambda b: f(*b), bounds)), repeats)
+            out[f"read_{name}"] = a.nbytes / sec / 1e9
+    return out
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes read + written per second by a threaded numpy copy (GB/s)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    n = os.cpu_count() or 1
+    bounds = [(int(p[0]), int(p[-1]) + 1) for p in np.array_split(np.arange(src.size), n)]
+    with ThreadPoolExecutor(n) as pool:
+        sec = _median(lambda: list(pool.map(
+            lambda b: np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]]), bounds)), repeats)
+    return 2 * src.nbytes / sec / 1e9
+
+
+def gemm_rate(n: int = 1024, repeats: int = 5) -> dict[str, float]:
+    """GFLOP/s of an f32 [n, n] x [n, n] matmul: XLA's dot, and the native kernel if built."""
+    from xlaserve.kernels.matmul import layer_matmul, uses_kernel
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
+    flops = 2.0 * n ** 3
+    out = {}
+    xla = jax.jit(lambda x, w: x @ w)
+    out["xla_dot"] = flops / _median(lambda: xla(x, w).block_until_ready(), repeats) / 1e9
+    if uses_kernel(x, True):
+        native = jax.jit(lambda x, w: layer_matmul(x, (w,), jnp.int32(0))[0])
+        out["native"] = flops / _median(lambda: native(x, w).block_until_ready(),
+                                        repeats) / 1e9
+    return out
+
+
+# -- what a step costs at least -------------------------------------------------------------------
+
+
+def matmul_weights(config: ModelConfig) -> int:
+    """Weights every token multiplies in the layers (not the embedding / head)."""
+    c = config
+    attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim \
+        + c.num_heads * c.head_dim * c.hidden_size
+    return c.num_layers * (attn + 3 * c.hidden_size * c.intermediate_size)
+
+
+def step_cost(config: ModelConfig, params: Any, rows: int, tokens: int,
+              keys_per_query: float, kv_read_tokens: int) -> tuple[int, float]:
+    """(bytes read, FLOPs) of a step: `tokens` query tokens over `rows` rows (each row's
+    logits once), each query seeing `keys_per_query` keys on average; `kv_read_tokens`
+    distinct cached tokens are read per layer."""
+    c = config
+    item = np.dtype(c.dtype).itemsize
+    kv_token = 2 * c.num_kv_heads * c.head_dim * 4 * c.num_layers  # K and V, float32 cache
+    bytes_read = decode_read_bytes(params) + kv_read_tokens * kv_token + tokens * kv_token
+    if "lm_head" in params:   # untied: the input embedding is read one row per token
+        bytes_read += (tokens - 1) * c.hidden_size * item
+    attention = 4.0 * c.num_heads * c.head_dim * keys_per_query * tokens * c.num_layers
+    flops = 2.0 * matmul_weights(c) * tokens + 2.0 * rows * c.vocab_size * c.hidden_size \
+        + attention
+    return int(bytes_read), flops
+
+
+@dataclass
+class StepRow:
+    kind: str                 # decode | prefill
+    rows: int
+    tokens: int
+    context: int              # cached tokens per row before the step
+    bucket: tuple[int, int, int]
+    ms: float
+    bytes_read: int
+    flops: float
+    floor_ms: float
+    bound: str                # memory | compute: which term sets the floor
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.ms / self.floor_ms
+
+    @property
+    def gflops(self) -> float:
+        return self.flops / self.ms / 1e6
+
+
+@dataclass
+class StepReport:
+    backend: str
+    read_gb_s: float
+    copy_gb_s: float
+    gemm_gflops: float
+    probes: dict[str, float]
+    rows: list[StepRow]
+
+
+# -- the measurements -----------------------------------------------------------------------------
+
+
+def _table(runner: ModelRunner, row: int, blocks: int) -> list[int]:
+    first = 1 + row * blocks
+    if first + blocks > runner.num_blocks:
+        raise ValueError(f"the step needs {blocks} blocks per row for row {row}: the runner "
+                         f"has {runner.num_blocks}")
+    return list(range(first, first + blocks))
+
+
+def decode_rows(runner: ModelRunner, rows: int, context: int, width: int) -> list[RowInput]:
+    """`rows` decode rows after `context` cached tokens, tables `width` blocks wide (the KV
+    values are whatever the cache holds: timing does not depend on them)."""
+    if context + 1 > width * runner.block_size:
+        raise ValueError(f"context {context} does not fit a table of {width} blocks")
+    return [RowInput((PENDING,), context, _table(runner, r, width), r + 1)
+            for r in range(rows)]
+
+
+def time_rows(runner: ModelRunner, rows: list[RowInput], repeats: int) -> float:
+    return _median(lambda: runner.run(rows).out.tokens.block_until_ready(), repeats) * 1e3
+
+
+def measure_step(runner: ModelRunner, kind: str, rows: list[RowInput], context: int,
+                 repeats: int, read: float, gemm: float, breakdown: bool) -> StepRow:
+    c = runner.config
+    tokens = sum(len(r.token_ids) for r in rows)
+    if kind == "decode":
+        keys, distinct = context + 1, len(rows) * context
+    else:
+        keys, distinct = context + (tokens + 1) / 2, context
+    bytes_read, flops = step_cost(c, runner.params, len(rows), tokens, keys, distinct)
+    mem_ms, flop_ms = 1e3 * bytes_read / (read * 1e9), 1e3 * flops / (gemm * 1e9)
+    host = runner.host_step(rows)
+    row = StepRow(kind, len(rows), tokens, context, host.shape, time_rows(runner, rows, repeats),
+                  bytes_read, flops, max(mem_ms, flop_ms),
+                  "memory" if mem_ms >= flop_ms else "compute")
+    if breakdown:
+        from xlaserve.bench.step_parts import part_times
+
+        row.breakdown = part_times(runner, rows, repeats)
+    return row
+
+
+def run_steps(runner: ModelRunner, *, decode_batches: list[int], width: int, context: int,
+              prefill_chunks: list[int], repeats: int = 10, breakdown: bool = False,
+              probe_bytes: int = 512 << 20) -> StepReport:
+    probes = read_bandwidth(probe_bytes)
+    copy = copy_bandwidth(probe_bytes)
+    gemm = gemm_rate()
+    read_bw, gemm_best = max(probes.values()), max(gemm.values())
+    probes.update(copy=copy, **{f"gemm_{k}": v for k, v in gemm.items()})
+    shapes = sorted({runner.host_step(decode_rows(runner, b, context, width)).shape
+                     for b in decode_batches}
+                    | {runner.host_step([RowInput(tuple(range(1, n + 1)), 0,
+                                                  _table(runner, 0, -(-n // runner.block_size)),
+                                                  1)]).shape
+                       for n in prefill_chunks})
+    runner.warmup(shapes)
+    out = []
+    for b in decode_batches:
+        out.append(measure_step(runner, "decode", decode_rows(runner, b, context, width),
+                                context, repeats, read_bw, gemm_best, breakdown))
+        print(describe_row(out[-1]), flush=True)
+    for n in prefill_chunks:
+        rows = [RowInput(tuple(range(1, n + 1)), 0,
+                         _table(runner, 0, -(-n // runner.block_size)), 1)]
+        out.append(measure_step(runner, "prefill", rows, 0, max(3, repeats // 2), read_bw,
+                                gemm_best, breakdown))
+        print(describe_row(out[-1]), flush=True)
+    return StepReport(runner.backend, read_bw, copy, gemm_best, probes, out)
+
+
+# -- reporting ------------------------------------------------------------------------------------
+
+
+def describe_row(r: StepRow) -> str:
+    what = f"decode {r.rows} rows x ctx {r.context}" if r.kind == "decode" else \
+        f"prefill {r.tokens} tokens"
+    parts = "; ".join(f"{k} {v:.1f}" for k, v in r.breakdown.items())
+    return (f"{what:<28} bucket {r.bucket}: {r.ms:7.1f} ms, floor {r.floor_ms:6.1f} ms "
+            f"({r.bound}) = {r.ratio:4.2f}x, {r.gflops:6.1f} GFLOP/s"
+            + (f"  [{parts}]" if parts else ""))
+
+
+def format_report(rep: StepReport) -> str:
+    head = (f"backend {rep.backend}; read bandwidth {rep.read_gb_s:.1f} GB/s (copy probe "
+            f"{rep.copy_gb_s:.1f} GB/s read+write), GEMM {rep.gemm_gflops:.1f} GFLOP/s; probes: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in rep.probes.items()))
+    lines = [head, "", "| step | bucket (R, T, W) | ms | floor ms | bound | ratio | GFLOP/s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rep.rows:
+        what = f"decode {r.rows} x ctx {r.context}" if r.kind == "decode" else \
+            f"prefill {r.tokens}"
+        lines.append(f"| {what} | {r.bucket} | {r.ms:.1f} | {r.floor_ms:.1f} | {r.bound} | "
+                     f"{r.ratio:.2f}x | {r.gflops:.1f} |")
+    if any(r.breakdown for r in rep.rows):
+        names = list(next(r.breakdown for r in rep.rows if r.breakdown))
+        lines += ["", "| step | " + " | ".join(f"{n} ms" for n in names) + " |",
+                  "|---|" + "---|" * len(names)]
+        for r in rep.rows:
+            what = f"decode {r.rows}" if r.kind == "decode" else f"prefill {r.tokens}"
+            lines.append(f"| {what} | " + " | ".join(f"{r.breakdown.get(n, 0):.1f}"
+                                                     for n in names) + " |")
+    return "\n".join(lines)
+
+
+def step_main(model_dir: str, *, decode_batches: list[int], width: int, context: int,
+              prefill_chunks: list[int], repeats: int, breakdown: bool, backend: str,
+              json_out: str | None) -> int:
+    from xlaserve.serving.engine.config import EngineConfig
+    from xlaserve.serving.loading import load_model
+
+    model = load_model(model_dir)
+    most = max(decode_batches)
+    blocks = max(width, -(-max(prefill_chunks, default=1) // 16))
+    config = EngineConfig(max_model_len=max(2048, blocks * 16), num_kv_blocks=most * blocks + 2,
+                          max_num_seqs=most,
+                          max_num_batched_tokens=max(max(prefill_chunks, default=16), most + 1),
+                          attention_backend=backend)
+    runner = ModelRunner(model.params, model.config, model.mesh,
+                         num_blocks=config.num_kv_blocks, block_size=config.block_size,
+                         max_num_seqs=config.max_num_seqs, buckets=config.bucket_plan,
+                         attention_backend=config.attention_backend)
+    report = run_steps(runner, decode_batches=decode_batches, width=width, context=context,
+                       prefill_chunks=prefill_chunks, repeats=repeats, breakdown=breakdown)
+    print(format_report(report), flush=True)
+    if json_out:
+        data = asdict(report)
+        for row, r in zip(data["rows"], report.rows):
+            row.update(ratio=r.ratio, gflops=r.gflops)
+        data["jax"] = jax.__version__
+        Path(json_out).write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {json_out}")
+    return 0

@@ -1,0 +1,113 @@
+"""The parts of one device step, each timed alone at the step's shapes (`bench step --breakdown`).
+
+    weights    the decoder's weight matmuls over every layer (a scan of q/k/v, o, gate/up,
+               down), through the runner's backend
+    attention  the paged attention of every layer over the step's real metadata and cache
+    head       the final norm + output head for the step's rows
+    sampler    the runner's compiled sampler for the step's rows (greedy rows)
+    host       laying the rows out (runner.host_step) and copying the arrays to the device
+
+They run back to back, not fused, so their sum exceeds the step a little (no overlap, each
+reads its inputs from memory): what they show is where the time goes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlaserve.kernels.attention import attention
+from xlaserve.kernels.matmul import layer_matmul
+from xlaserve.models.llama import (AttentionMetadata, _as_matrix,
+                                   attention_backend_uses_kernels, output_logits, rms_norm)
+from xlaserve.serving.runner.runner import ModelRunner, RowInput
+from xlaserve.serving.runner.sampling import SamplingArrays
+
+
+def _ms(fn: Callable[[], Any], repeats: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def part_times(runner: ModelRunner, rows: Sequence[RowInput], repeats: int) -> dict[str, float]:
+    c = runner.config
+    params, backend = runner.params, runner.backend
+    use_kernel = attention_backend_uses_kernels(backend)
+    host = runner.host_step(rows)
+    r, t, _ = host.shape
+    layers = params["layers"]
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((t, c.hidden_size)) * 0.1,
+                    jnp.float32)
+
+    @jax.jit
+    def weights(layers: Any, x: jax.Array) -> jax.Array:
+        wq, wk, wv = (_as_matrix(layers[n], 2) for n in ("wq", "wk", "wv"))
+        wo = _as_matrix(layers["wo"], 1)
+
+        def body(x: jax.Array, i: jax.Array) -> tuple[jax.Array, None]:
+            q, k, v = layer_matmul(x, (wq, wk, wv), i, use_kernel=use_kernel)
+            (o,) = layer_matmul(q, (wo,), i, use_kernel=use_kernel)
+            g, u = layer_matmul(x + o, (layers["w_gate"], layers["w_up"]), i,
+                                use_kernel=use_kernel)
+            (d,) = layer_matmul(g * u, (layers["w_down"],), i, use_kernel=use_kernel)
+            return x + d + 0 * (k[:, :1] + v[:, :1]), None
+
+        return jax.lax.scan(body, x, jnp.arange(c.num_layers, dtype=jnp.int32))[0]
+
+    _, num_blocks, block_size, kvh, d = runner.kv.k.shape
+    meta = AttentionMetadata(*(jnp.asarray(a) for a in (host.block_tables, host.token_rows,
+                                                         host.slot_mapping)))
+    positions = jnp.asarray(host.positions)
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((t, c.num_heads, d)),
+                    jnp.float32)
+
+    @jax.jit
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        k_flat, v_flat = k.reshape(-1, kvh, d), v.reshape(-1, kvh, d)
+
+        def body(acc: jax.Array, i: jax.Array) -> tuple[jax.Array, None]:
+            out = attention(q + acc, k_flat, v_flat, i, meta.token_rows, positions,
+                            meta.block_tables, num_blocks=num_blocks, block_size=block_size,
+                            scale=d ** -0.5, sliding_window=c.sliding_window, backend=backend)
+            return acc + 1e-3 * out, None
+
+        return jax.lax.scan(body, jnp.zeros_like(q), jnp.arange(c.num_layers,
+                                                                 dtype=jnp.int32))[0]
+
+    @jax.jit
+    def head(params: Any, x: jax.Array) -> jax.Array:
+        x = rms_norm(x[:r], params["final_norm"], c.rms_norm_eps)
+        return output_logits(params, c, x, use_kernel=use_kernel)
+
+    logits = head(params, x)
+    sampler = runner._compiled_sample[r]
+    sampling = SamplingArrays(*(jnp.asarray(a) for a in (
+        host.temperature, host.top_k, host.top_p, host.min_p, host.seed, host.counter)),
+        runner._zeros_bias(r))
+    row_slot, mask = jnp.asarray(host.row_slot), jnp.asarray(host.sample_mask)
+
+    def sample() -> Any:
+        runner.token_slots, out = sampler(logits, runner.token_slots, row_slot, mask, sampling)
+        return out.tokens
+
+    def lay_out() -> None:
+        h = runner.host_step(rows)
+        jax.block_until_ready([runner._put(a) for a in h.arrays()])
+
+    return {
+        "weights": _ms(lambda: weights(layers, x), repeats),
+        "attention": _ms(lambda: attend(q, runner.kv.k, runner.kv.v), repeats),
+        "head": _ms(lambda: head(params, x), repeats),
+        "sampler": _ms(sample, repeats),
+        "host": _ms(lay_out, repeats),
+    }

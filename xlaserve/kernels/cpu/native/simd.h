@@ -1,0 +1,127 @@
+// The float vector the kernels are written in, for the ISA the library is compiled for
+// (-march=native at build time):
+//
+//   AVX-512   Vec = 16 floats (__m512), 32 vector registers
+//   AVX2+FMA  Vec =  8 floats (__m256), 16 vector registers
+//   otherwise Vec =  4 floats, plain C++ the compiler vectorises as it can (NEON, SSE)
+//
+// Only what the kernels use: unaligned load/store, broadcast, fused multiply-add, max, a
+// horizontal sum and max, and exp (Cephes-style range reduction + degree-6 polynomial, relative
+// error ~2e-7 over the softmax's range; inputs below -87 give 0).
+#pragma once
+
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace xlaserve {
+
+#if defined(__AVX512F__)
+
+constexpr int kLanes = 16;
+constexpr int kVectorRegisters = 32;
+struct Vec {
+  __m512 v;
+};
+inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
+inline Vec splat(float s) { return {_mm512_set1_ps(s)}; }
+inline Vec zero() { return {_mm512_setzero_ps()}; }
+inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a*b+c
+inline Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec sub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline float hsum(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline float hmax(Vec a) { return _mm512_reduce_max_ps(a.v); }
+inline Vec round_nearest(Vec a) {
+  return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline Vec scale_by_pow2(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }  // a * 2^n
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+constexpr int kLanes = 8;
+constexpr int kVectorRegisters = 16;
+struct Vec {
+  __m256 v;
+};
+inline Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
+inline Vec splat(float s) { return {_mm256_set1_ps(s)}; }
+inline Vec zero() { return {_mm256_setzero_ps()}; }
+inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec sub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline float hsum(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+inline float hmax(Vec a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+inline Vec round_nearest(Vec a) {
+  return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline Vec scale_by_pow2(Vec a, Vec n) {  // a * 2^n for integral n in [-127, 127]
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v),
+                                                 _mm256_set1_epi32(127)), 23);
+  return {_mm256_mul_ps(a.v, _mm256_castsi256_ps(e))};
+}
+
+#else
+
+constexpr int kLanes = 4;
+constexpr int kVectorRegisters = 16;
+struct Vec {
+  float v[4];
+};
+inline Vec load(const float* p) { Vec r; std::memcpy(r.v, p, sizeof r.v); return r; }
+inline void store(float* p, Vec a) { std::memcpy(p, a.v, sizeof a.v); }
+inline Vec splat(float s) { return {{s, s, s, s}}; }
+inline Vec zero() { return splat(0.0f); }
+#define XLASERVE_LANEWISE(expr) Vec r; for (int i = 0; i < 4; ++i) r.v[i] = (expr); return r
+inline Vec fma(Vec a, Vec b, Vec c) { XLASERVE_LANEWISE(a.v[i] * b.v[i] + c.v[i]); }
+inline Vec add(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] + b.v[i]); }
+inline Vec sub(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] - b.v[i]); }
+inline Vec mul(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] * b.v[i]); }
+inline Vec max(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
+inline Vec round_nearest(Vec a) { XLASERVE_LANEWISE(std::nearbyint(a.v[i])); }
+inline Vec scale_by_pow2(Vec a, Vec n) { XLASERVE_LANEWISE(std::ldexp(a.v[i], int(n.v[i]))); }
+#undef XLASERVE_LANEWISE
+inline float hsum(Vec a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+inline float hmax(Vec a) { return std::fmax(std::fmax(a.v[0], a.v[1]), std::fmax(a.v[2], a.v[3])); }
+
+#endif
+
+// exp(x) lane by lane.  x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor polynomial to r^6
+// (Horner), times 2^n.  Inputs are clamped to [-87.3, 88.3]; below that the true value is under
+// float's normal range and the softmax adds it to a sum dominated by exp(0) = 1.
+inline Vec exp(Vec x) {
+  const Vec hi = splat(88.3762626647949f), lo = splat(-87.3365447504019f);
+  x = max(x, lo);
+  x = {sub(x, max(sub(x, hi), zero())).v};  // min(x, hi) without a min primitive
+  Vec n = round_nearest(mul(x, splat(1.44269504088896341f)));
+  Vec r = fma(n, splat(-0.693359375f), x);           // Cody-Waite: ln2 split in two parts
+  r = fma(n, splat(2.12194440e-4f), r);
+  Vec p = splat(1.0f / 720);
+  p = fma(p, r, splat(1.0f / 120));
+  p = fma(p, r, splat(1.0f / 24));
+  p = fma(p, r, splat(1.0f / 6));
+  p = fma(p, r, splat(0.5f));
+  p = fma(p, r, splat(1.0f));
+  p = fma(p, r, splat(1.0f));
+  return scale_by_pow2(p, n);
+}
+
+}  // namespace xlaserve

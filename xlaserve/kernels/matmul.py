@@ -1,0 +1,81 @@
+"""Weight matmuls of the decoder: activations times one layer of a stacked weight, read in place.
+
+    layer_matmul(x [M, K], (w_1 [L, K, N_1], ...), layer) -> (x @ w_1[layer], ...)
+    head_matmul(x [M, E], table [V, E])                  -> x @ table.T  (tied output head)
+
+Three faces per op: the native CPU kernel (`kernels/cpu/native/matmul.cc`, through XLA's FFI),
+the checked wrapper (`layer_matmul`, `head_matmul`, which pick the kernel or the jnp path), and
+the jnp reference (`*_reference`, which defines the semantics).
+
+Why a kernel: under `lax.scan` XLA:CPU slices w[layer] into a fresh buffer before each dot (every
+weight byte read, written and read again), and runs batch-1 dots on one thread.  The kernel takes
+the whole stack and the layer index and reads the slice where it lies, on every core.  Several
+weights sharing x (q, k, v; gate, up) go into one call, so a layer makes four calls.
+On other platforms, and for other dtypes, the reference is the implementation (XLA fuses it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from xlaserve.kernels.cpu import build
+
+
+def layer_matmul_reference(x: jax.Array, weights: Sequence[jax.Array],
+                           layer: jax.Array) -> tuple[jax.Array, ...]:
+    """x [M, K] @ w[layer] for each w [L, K, N] (or w [K, N]) -> tuple of [M, N]."""
+    return tuple(x @ (w[layer] if w.ndim == 3 else w) for w in weights)
+
+
+def head_matmul_reference(x: jax.Array, table: jax.Array) -> jax.Array:
+    """x [M, E] @ table [V, E]^T -> [M, V] float32 (contracted as stored: `table.T` copies)."""
+    return jnp.einsum("me,ve->mv", x, table, preferred_element_type=jnp.float32)
+
+
+def _check_x(name: str, x: jax.Array) -> None:
+    if x.ndim != 2:
+        raise ValueError(f"{name}: x must be [M, K], got shape {x.shape}")
+
+
+def check_layer_matmul(x: jax.Array, weights: Sequence[jax.Array]) -> None:
+    _check_x("layer_matmul", x)
+    if not weights:
+        raise ValueError("layer_matmul needs at least one weight")
+    for i, w in enumerate(weights):
+        if w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
+            raise ValueError(f"layer_matmul: weight {i} must be [L, K, N] or [K, N] with "
+                             f"K = {x.shape[1]}, got shape {w.shape}")
+        if w.dtype != x.dtype:
+            raise TypeError(f"layer_matmul: weight {i} is {w.dtype}, x is {x.dtype}")
+
+
+def uses_kernel(x: jax.Array, use_kernel: bool) -> bool:
+    """The native kernel runs float32 on CPU, when asked and when it was built."""
+    return (use_kernel and x.dtype == jnp.float32 and jax.default_backend() == "cpu"
+            and build.load() is not None)
+
+
+def layer_matmul(x: jax.Array, weights: Sequence[jax.Array], layer: jax.Array, *,
+                 use_kernel: bool = True) -> tuple[jax.Array, ...]:
+    """(x @ w[layer] for w in weights): x [M, K], each w [L, K, N_i] -> tuple of [M, N_i]."""
+    weights = tuple(weights)
+    check_layer_matmul(x, weights)
+    if not uses_kernel(x, use_kernel):
+        return layer_matmul_reference(x, weights, layer)
+    out = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32) for w in weights)
+    return tuple(jax.ffi.ffi_call("xlaserve_matmul", out)(
+        x, jnp.asarray(layer, jnp.int32).reshape(()), *weights))
+
+
+def head_matmul(x: jax.Array, table: jax.Array, *, use_kernel: bool = True) -> jax.Array:
+    """x [M, E] @ table [V, E]^T -> logits [M, V] float32."""
+    _check_x("head_matmul", x)
+    if table.ndim != 2 or table.shape[1] != x.shape[1]:
+        raise ValueError(f"head_matmul: table must be [V, E={x.shape[1]}], got {table.shape}")
+    if not uses_kernel(x, use_kernel) or table.dtype != jnp.float32:
+        return head_matmul_reference(x, table)
+    out = jax.ShapeDtypeStruct((x.shape[0], table.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("xlaserve_matmul_nt", out)(x, table)
