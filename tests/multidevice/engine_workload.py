@@ -1,8 +1,8 @@
 """A mixed serving workload for comparing engines on different layouts, and a tiny model folder.
 
 The workload: 10 greedy requests, prompts 5..120 tokens, max_tokens 1..24, added over the first
-steps (staggered), so steps mix chunked prefills (chunks of 32 tokens, two rows per call) with
-decode batches of 1..4 rows.  The schedule is a pure function of the workload and the
+steps (staggered), so steps mix chunked prefills (chunks of up to 32 tokens) with decode rows in
+one call, and run decode-only batches of 1..4 rows.  The schedule is a pure function of the workload and the
 EngineConfig (no wall clock: aging is off), so every layout sees the same calls."""
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from xlaserve.serving.engine.config import EngineConfig
 from xlaserve.serving.engine.engine import LLMEngine
 from xlaserve.serving.types import GenerationRequest, SamplingParams
 
-# 5 compiled buckets per layout: decode rows 1/2/4 and prefill chunks of 32 tokens x rows 1/2,
-# one block-table width (9 blocks = max_model_len / block_size).  A step's token budget (64)
-# mixes decode rows with prefill chunks; prompts over 32 tokens are prefilled in chunks.
+# 9 compiled buckets per layout: decode steps of 1/2/4 rows, and steps holding prefill chunks of
+# 32 or 64 tokens x rows 1/2/4, one block-table width (9 blocks = max_model_len / block_size).
+# A step's token budget (64) mixes decode rows with prefill chunks; prompts over 32 tokens are
+# prefilled in chunks.
 ENGINE = EngineConfig(max_model_len=144, block_size=16, num_kv_blocks=64, max_num_seqs=4,
                       max_num_batched_tokens=64, max_prefill_chunk=32,
                       min_step_tokens=32, min_table_width=9, aging_seconds=math.inf)
-# The two-process run: 4 buckets (decode rows 1/2, prefill 32 x rows 1/2), four requests.
+# The two-process run: 6 buckets (decode rows 1/2, 32 or 64 tokens x rows 1/2), four requests.
 MULTIHOST_ENGINE = dataclasses.replace(ENGINE, max_num_seqs=2)
 
 

@@ -81,7 +81,7 @@ def make_sharded_forward(config: ModelConfig, mesh: Mesh, *,
     of pipeline stages; fewer when the batch does not divide) so that stages overlap.
     Raises ValueError at construction if the model cannot be laid out on the mesh."""
     layout = ShardLayout.create(config, mesh)
-    pp, tp = layout.mesh.pipeline, layout.mesh.tensor
+    pp = layout.mesh.pipeline
     wanted = num_microbatches or pp
     if wanted < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
