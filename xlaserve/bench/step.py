@@ -209,11 +209,11 @@ def run_steps(runner: ModelRunner, *, decode_batches: list[int], width: int, con
     gemm = gemm_rate()
     read_bw, gemm_best = max(probes.values()), max(gemm.values())
     probes.update(copy=copy, **{f"gemm_{k}": v for k, v in gemm.items()})
-    shapes = sorted({runner.host_step(decode_rows(runner, b, context, width)).shape
+    shapes = sorted({runner.bucket(decode_rows(runner, b, context, width))
                      for b in decode_batches}
-                    | {runner.host_step([RowInput(tuple(range(1, n + 1)), 0,
-                                                  _table(runner, 0, -(-n // runner.block_size)),
-                                                  1)]).shape
+                    | {runner.bucket([RowInput(tuple(range(1, n + 1)), 0,
+                                               _table(runner, 0, -(-n // runner.block_size)),
+                                               1)])
                        for n in prefill_chunks})
     runner.warmup(shapes)
     out = []

@@ -93,7 +93,7 @@ def part_times(runner: ModelRunner, rows: Sequence[RowInput], repeats: int) -> d
     sampler = runner._compiled_sample[r]
     sampling = SamplingArrays(*(jnp.asarray(a) for a in (
         host.temperature, host.top_k, host.top_p, host.min_p, host.seed, host.counter)),
-        runner._zeros_bias(r))
+        runner._zeros_bias(r), jnp.asarray(host.logprobs))
     row_slot, mask = jnp.asarray(host.row_slot), jnp.asarray(host.sample_mask)
 
     def sample() -> Any:

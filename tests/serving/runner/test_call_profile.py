@@ -9,12 +9,12 @@ from xlaserve.serving.runner.call_profile import CallProfile
 
 def test_sums_per_bucket_and_phase() -> None:
     p = CallProfile()
-    p.record((4, 1, 16), 0.010, 3)
-    p.record((4, 1, 16), 0.030, 4)
+    p.record((4, 4, 16), 0.010, 3)     # a decode bucket: one token per row
+    p.record((4, 4, 16), 0.030, 4)
     p.record((1, 64, 16), 0.100, 40)
     rows = p.rows()
-    assert [(r["rows"], r["tokens"], r["width"]) for r in rows] == [(1, 64, 16), (4, 1, 16)]
-    assert rows[1] == {"rows": 4, "tokens": 1, "width": 16, "calls": 2,
+    assert [(r["rows"], r["tokens"], r["width"]) for r in rows] == [(1, 64, 16), (4, 4, 16)]
+    assert rows[1] == {"rows": 4, "tokens": 4, "width": 16, "calls": 2,
                        "seconds": pytest.approx(0.04), "ms_per_call": pytest.approx(20.0),
                        "real_tokens": 7, "padded_tokens": 8}
     assert p.phase_seconds() == {"decode": pytest.approx(0.04), "prefill": pytest.approx(0.1)}
@@ -26,5 +26,5 @@ def test_sums_per_bucket_and_phase() -> None:
 
 @pytest.mark.parametrize("seconds, real", [(-1.0, 1), (0.1, 0), (0.1, 5)])
 def test_rejects_impossible_calls(seconds: float, real: int) -> None:
-    with pytest.raises(ValueError, match=r"call \(4, 1, 16\)"):
-        CallProfile().record((4, 1, 16), seconds, real)
+    with pytest.raises(ValueError, match=r"call \(4, 4, 16\)"):
+        CallProfile().record((4, 4, 16), seconds, real)

@@ -22,7 +22,8 @@ def _arrays(rows: int, **kw) -> SamplingArrays:
     return SamplingArrays(col("temperature", 1.0, np.float32), col("top_k", 0, np.int32),
                           col("top_p", 1.0, np.float32), col("min_p", 0.0, np.float32),
                           jnp.arange(rows, dtype=jnp.uint32) + kw.get("seed", 0),
-                          col("counter", 0, np.int32), jnp.zeros((rows, V), jnp.float32))
+                          col("counter", 0, np.int32), jnp.zeros((rows, V), jnp.float32),
+                          col("logprobs", True, np.bool_))
 
 
 _sample = jax.jit(sample)
@@ -60,6 +61,16 @@ def test_same_seed_same_token_whatever_the_row() -> None:
     one = _sample(logits[3:4], a._replace(**{f: getattr(a, f)[3:4] for f in a._fields}))
     many = _sample(logits, a)
     assert int(one.tokens[0]) == int(many.tokens[3])
+
+
+def test_logprobs_only_when_a_row_asks() -> None:
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((4, V)), jnp.float32)
+    asked = _sample(logits, _arrays(4, temperature=0.0))
+    not_asked = _sample(logits, _arrays(4, temperature=0.0, logprobs=False))
+    np.testing.assert_array_equal(np.asarray(asked.tokens), np.asarray(not_asked.tokens))
+    assert np.all(np.asarray(not_asked.top_logprobs) == 0) and np.all(
+        np.asarray(not_asked.logprob) == 0)
+    assert np.all(np.asarray(asked.logprob) < 0)
 
 
 def test_logprobs_and_bias() -> None:

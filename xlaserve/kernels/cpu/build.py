@@ -138,6 +138,26 @@ def load_error() -> str | None:
     return _load()[1]
 
 
+KERNEL_NAMES = ("matmul", "matmul_nt", "paged_attention")   # stats.h's Kernel order
+
+
+def kernel_stats() -> dict[str, tuple[float, int]]:
+    """Seconds spent inside each native kernel and its calls, since load or the last reset
+    (stats.h); empty when the library is not loaded."""
+    lib = load()
+    if lib is None:
+        return {}
+    out = (ctypes.c_int64 * (2 * len(KERNEL_NAMES)))()
+    lib.xlaserve_kernel_stats(out)
+    return {name: (out[2 * i] / 1e9, int(out[2 * i + 1])) for i, name in enumerate(KERNEL_NAMES)}
+
+
+def reset_kernel_stats() -> None:
+    lib = load()
+    if lib is not None:
+        lib.xlaserve_kernel_stats_reset()
+
+
 def main() -> int:
     try:
         path = build(force="--force" in sys.argv)

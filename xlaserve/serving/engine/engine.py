@@ -148,7 +148,7 @@ class LLMEngine:
             counter = row.sample_position - len(state.request.prompt_token_ids)
             sampling = RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                    min_p=s.min_p, seed=state.seed, counter=counter,
-                                   bias=state.penalty_bias())
+                                   bias=state.penalty_bias(), logprobs=s.logprobs is not None)
         return RowInput(row.token_ids, row.start_position, row.block_table,
                         self._slot(row.request_id), row.sample, sampling or RowSampling())
 

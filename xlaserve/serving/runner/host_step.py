@@ -29,6 +29,7 @@ class HostStep(NamedTuple):
     min_p: np.ndarray         # [R] float32
     seed: np.ndarray          # [R] uint32
     counter: np.ndarray       # [R] int32
+    logprobs: np.ndarray      # [R] bool: the row wants logprobs
     bias: np.ndarray | None   # [R, V] float32, None = zeros (kept on device per bucket)
 
     @staticmethod
@@ -38,7 +39,7 @@ class HostStep(NamedTuple):
         out = [((t,), i32), ((t,), i32), ((t,), i32), ((t,), i32), ((r, w), i32),
                ((r,), i32), ((r,), i32), ((r,), np.dtype(np.bool_)),
                ((r,), f32), ((r,), i32), ((r,), f32), ((r,), f32), ((r,), np.dtype(np.uint32)),
-               ((r,), i32)]
+               ((r,), i32), ((r,), np.dtype(np.bool_))]
         return out + ([((r, vocab), f32)] if vocab is not None else [])
 
     @property

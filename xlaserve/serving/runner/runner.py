@@ -66,6 +66,7 @@ class RowSampling:
     seed: int = 0
     counter: int = 0              # index of the token this row samples (RNG stream position)
     bias: np.ndarray | None = None  # [V] additive logit bias (penalties), None = zeros
+    logprobs: bool = False        # compute this row's logprobs (and the top 20)
 
 
 GREEDY = RowSampling()
@@ -201,7 +202,9 @@ class ModelRunner:
         meta = AttentionMetadata(tables, token_rows, slots)
         forward_args = (self.params, self.kv, self.token_slots, tok, pos, meta, index, row_slot)
         logits = spec((r, self.config.vocab_size), jnp.float32)
-        sample_args = (logits, self.token_slots, row_slot, mask, SamplingArrays(*sampling))
+        *sampling, want, bias = sampling
+        sample_args = (logits, self.token_slots, row_slot, mask,
+                       SamplingArrays(*sampling, bias, want))
         return forward_args, sample_args
 
     def compile(self, shape: tuple[int, int, int]) -> Any:
@@ -278,13 +281,16 @@ class ModelRunner:
             raise RuntimeError(f"{what}: only process 0 drives a multi-host mesh; process "
                                f"{jax.process_index()} must call follow()")
 
-    def host_step(self, rows: Sequence[RowInput]) -> HostStep:
-        """Lay `rows` out as one flat batch padded to its bucket: the host arrays of one call."""
+    def bucket(self, rows: Sequence[RowInput]) -> tuple[int, int, int]:
+        """The (rows, tokens, width) bucket a call over `rows` runs in."""
         if not rows:
             raise ValueError("a call needs at least one row")
-        n = len(rows)
-        num_tokens = sum(len(row.token_ids) for row in rows)
-        r, t, w = self.buckets.fit(n, num_tokens, max(len(row.block_table) for row in rows))
+        return self.buckets.fit(len(rows), sum(len(row.token_ids) for row in rows),
+                                max(len(row.block_table) for row in rows))
+
+    def host_step(self, rows: Sequence[RowInput]) -> HostStep:
+        """Lay `rows` out as one flat batch padded to its bucket: the host arrays of one call."""
+        r, t, w = self.bucket(rows)
         if (r, t, w) not in self._compiled:
             raise RuntimeError(f"bucket (rows={r}, tokens={t}, width={w}) was not compiled in "
                                f"warm-up; compiled: {len(self._compiled)} buckets")
@@ -303,6 +309,7 @@ class ModelRunner:
         min_p = np.zeros(r, np.float32)
         seed = np.zeros(r, np.uint32)
         counter = np.zeros(r, np.int32)
+        logprobs = np.zeros(r, np.bool_)
         bias: np.ndarray | None = None
         at = 0
         for i, row in enumerate(rows):
@@ -327,12 +334,14 @@ class ModelRunner:
             temperature[i], top_p[i], min_p[i] = s.temperature, s.top_p, s.min_p
             top_k[i] = 0 if s.top_k >= vocab else s.top_k   # keeps every token: off (int32)
             seed[i], counter[i] = s.seed & 0xFFFFFFFF, s.counter
+            logprobs[i] = s.logprobs
             if s.bias is not None:
                 if bias is None:
                     bias = np.zeros((r, self.config.vocab_size), np.float32)
                 bias[i] = s.bias
         return HostStep(tokens, positions, token_rows, slots, tables, logits_index, row_slot,
-                        sample_mask, temperature, top_k, top_p, min_p, seed, counter, bias)
+                        sample_mask, temperature, top_k, top_p, min_p, seed, counter, logprobs,
+                        bias)
 
     def _execute(self, host: HostStep) -> SampleOutput:
         """Launch the compiled call for `host` (asynchronously); the runner's state advances."""
@@ -342,7 +351,8 @@ class ModelRunner:
         meta = AttentionMetadata(put(host.block_tables), put(host.token_rows),
                                  put(host.slot_mapping))
         sampling = SamplingArrays(put(host.temperature), put(host.top_k), put(host.top_p),
-                                  put(host.min_p), put(host.seed), put(host.counter), bias)
+                                  put(host.min_p), put(host.seed), put(host.counter), bias,
+                                  put(host.logprobs))
         row_slot = put(host.row_slot)
         self.kv, logits = fn(self.params, self.kv, self.token_slots, put(host.tokens),
                              put(host.positions), meta, put(host.logits_index), row_slot)

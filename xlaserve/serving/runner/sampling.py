@@ -3,7 +3,9 @@
 Per row: penalties (as an additive bias the host builds from the row's generated-token counts),
 temperature, top-k, top-p, min-p, then a Gumbel-max draw keyed by the row's own seed and
 generation index — so a seeded request produces the same tokens whatever else is in the batch.
-Greedy rows (temperature 0) take the argmax.  Logprobs are of the model's raw distribution.
+Greedy rows (temperature 0) take the argmax.  Logprobs are of the model's raw distribution,
+computed only in a step where some row asks for them (a log-softmax and a top-20 over the
+whole vocabulary per row cost as much as the rest of the sampler; the others get zeros).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class SamplingArrays(NamedTuple):
     seed: jax.Array         # [B] uint32
     counter: jax.Array      # [B] int32: index of the token being generated (RNG stream position)
     bias: jax.Array         # [B, V] float32 additive logit bias (presence/frequency penalties)
+    logprobs: jax.Array | None = None  # [B] bool: the row wants logprobs; None = every row
 
 
 class SampleOutput(NamedTuple):
@@ -58,9 +61,8 @@ def _filtered(logits: jax.Array, s: SamplingArrays) -> jax.Array:
 
 
 def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
-    """logits: [B, V] float32 -> sampled tokens and logprobs."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
+    """logits: [B, V] float32 -> sampled tokens and logprobs (zeros unless some row of the
+    step asks for them)."""
     biased = logits + s.bias
     greedy = jnp.argmax(biased, axis=-1).astype(jnp.int32)
 
@@ -73,5 +75,18 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
 
     # Skip the sort and the noise entirely when every row is greedy.
     tokens = jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda _: greedy, None)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+    b = logits.shape[0]
+
+    def with_logprobs(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
+        chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def without(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (jnp.zeros((b,), jnp.float32), jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.int32),
+                jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32))
+
+    wanted = jnp.bool_(True) if s.logprobs is None else jnp.any(s.logprobs)
+    chosen, top_ids, top_lp = jax.lax.cond(wanted, with_logprobs, without, None)
+    return SampleOutput(tokens, chosen, top_ids, top_lp)

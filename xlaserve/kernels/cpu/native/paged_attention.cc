@@ -15,13 +15,18 @@
 // max(0, p - window + 1) .. p (every key is in the cache already: the step writes its own
 // tokens' KV before attending), key j read from slot (layer * N + table[r][j / bs]) * bs + j % bs.
 //
-// Scheme: consecutive tokens of one row are cut into query tiles of up to kQueryTile tokens; a
-// work item is (tile, kv head) and covers the tile's tokens x the G = H / KVH query heads that
-// share the kv head, so each K/V block is loaded once for all of them.  Items are spread over
-// the workers (parallel.h).  An item walks the row's blocks from the first any of its queries sees
-// to the last, and per block and query: scores of the bs keys (dot products, `Vec` lanes over
-// D), masked to the query's window, then one online-softmax update (running max m, sum l,
-// unnormalised output acc[D]; exp vectorised over the block's keys).  Out = acc / l.
+// Scheme.  Consecutive tokens of one row are cut into query tiles of up to kQueryTile tokens.
+// A work item is a tile and a run of its key blocks (a tile's blocks are split into several
+// items when there are too few tiles to keep every thread busy, flash-decoding style; their
+// partial softmax states are merged at the end).  An item walks its blocks in order, and for
+// each block every kv head and the tile's query rows that read it (tokens x the G = H / KVH
+// query heads sharing the kv head): one block's K and V for all heads are contiguous
+// (bs x KVH x D floats), so an item streams them, prefetching the next block.  Per (block, kv
+// head) the keys are transposed once (kLanes x kLanes register transposes), so that each
+// query row's bs scores are FMAs of broadcast query elements against key vectors, with no
+// horizontal sums; then per row the visible keys' online-softmax step (running max m, sum l,
+// exp vectorised), and the V accumulation of up to kRowGroup rows at once, their acc[D] in
+// registers while each value vector is loaded once.  Out = acc / l.
 // Positions beyond the table, and block ids outside [0, N), are clamped: a bad plan reads the
 // wrong keys but never memory outside the cache.
 
@@ -34,6 +39,7 @@
 #include "buffers.h"
 #include "parallel.h"
 #include "simd.h"
+#include "stats.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -43,6 +49,9 @@ namespace {
 
 constexpr int kQueryTile = 8;
 constexpr int kMaxBlockSize = 256;
+constexpr int64_t kItemsPerThread = 4;
+constexpr int64_t kMinChunkBlocks = 4;
+constexpr int64_t kStageBlocks = 2;   // blocks read ahead of the compute at once (8 x 24 KB)
 
 struct Geometry {
   int64_t T, H, KVH, D, G, R, W, N, bs;
@@ -54,120 +63,236 @@ struct Geometry {
 struct Tile {
   int64_t t0, nq;  // tokens t0 .. t0 + nq - 1, all of one row
   int32_t row;
+  int64_t b_lo, b_hi;  // table entries [b_lo, b_hi) some token of the tile sees
 };
 
-float dot(const float* a, const float* b, int64_t D) {
-  const int64_t dv = D - D % kLanes;
-  Vec s = zero();
-  for (int64_t d = 0; d < dv; d += kLanes) s = fma(load(a + d), load(b + d), s);
-  float r = hsum(s);
-  for (int64_t d = dv; d < D; ++d) r += a[d] * b[d];
-  return r;
+struct Item {
+  int64_t tile, b0, b1;  // blocks [b0, b1) of tiles[tile]
+  int64_t part;          // which of the tile's items (0 when the tile is not split)
+};
+
+// The running softmax state of one query row.
+struct RowState {
+  float m, l;
+  float* acc;  // [D]
+};
+
+// kt[d * bs + j] = k_j[d]: the block's keys of one kv head (k_j at kb + j * stride), transposed
+// so that one query's scores over the block come out as vectors.
+void transpose_keys(const float* kb, int64_t stride, int64_t bs, int64_t D, float* kt) {
+  const int64_t jv = bs - bs % kLanes, dv = D - D % kLanes;
+  for (int64_t j = 0; j < jv; j += kLanes)
+    for (int64_t d = 0; d < dv; d += kLanes)
+      transpose_tile(kb + j * stride + d, stride, kt + d * bs + j, bs);
+  for (int64_t j = 0; j < bs; ++j)
+    for (int64_t d = (j < jv ? dv : 0); d < D; ++d) kt[d * bs + j] = kb[j * stride + d];
 }
 
-// acc[0:D] = acc * c + sum_j p[j] * v_j, v_j at v + j * stride
-void accumulate(float* acc, float c, const float* p, const float* v, int64_t stride, int64_t n,
-                int64_t D) {
-  const int64_t dv = D - D % kLanes;
-  for (int64_t d = 0; d < dv; d += kLanes) {
-    Vec a = mul(load(acc + d), splat(c));
-    for (int64_t j = 0; j < n; ++j) a = fma(splat(p[j]), load(v + j * stride + d), a);
-    store(acc + d, a);
-  }
-  for (int64_t d = dv; d < D; ++d) {
-    float a = acc[d] * c;
-    for (int64_t j = 0; j < n; ++j) a += p[j] * v[j * stride + d];
-    acc[d] = a;
-  }
-}
-
-// s[0:n] = cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1)
-void soft_cap_scores(float* s, int64_t n, float cap) {
-  for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
-}
-
-// p[0:n] = exp(s[0:n] - m), returns their sum; n <= kMaxBlockSize, -inf scores give 0.
-float exp_block(const float* s, float m, float* p, int64_t n) {
-  float sum = 0.0f;
+// s[r * kMaxBlockSize + j] = q_r . k_j for the block's keys and NR query rows at once (kt:
+// transpose_keys): each key vector is loaded once for all rows, four accumulator chains a row.
+template <int NR>
+void scores(const float* const* q, const float* kt, int64_t bs, int64_t D, float* s) {
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    Vec e = exp(sub(load(s + j), splat(m)));
-    store(p + j, e);
-    sum += hsum(e);
+  for (; j + kLanes <= bs; j += kLanes) {
+    Vec a[NR][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) a[r][u] = zero();
+    int64_t d = 0;
+    for (; d + 4 <= D; d += 4) {
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const Vec k = load(kt + (d + u) * bs + j);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) a[r][u] = fma(splat(q[r][d + u]), k, a[r][u]);
+      }
+    }
+    for (; d < D; ++d) {
+      const Vec k = load(kt + d * bs + j);
+      for (int r = 0; r < NR; ++r) a[r][0] = fma(splat(q[r][d]), k, a[r][0]);
+    }
+    for (int r = 0; r < NR; ++r)
+      store(s + r * kMaxBlockSize + j, add(add(a[r][0], a[r][1]), add(a[r][2], a[r][3])));
   }
-  for (; j < n; ++j) {
-    p[j] = std::exp(s[j] - m);
+  for (; j < bs; ++j)
+    for (int r = 0; r < NR; ++r) {
+      float a = 0.0f;
+      for (int64_t d = 0; d < D; ++d) a += q[r][d] * kt[d * bs + j];
+      s[r * kMaxBlockSize + j] = a;
+    }
+}
+
+using ScoresFn = void (*)(const float* const*, const float*, int64_t, int64_t, float*);
+constexpr ScoresFn kScores[] = {nullptr, scores<1>, scores<2>, scores<3>, scores<4>};
+
+// The softmax half of an online step for one row over the block's scores s[0:bs], of which
+// keys [j0, j1) are visible: new m and l, p = exp(s - m) (0 outside [j0, j1), soft cap applied
+// first); returns the factor the row's acc is rescaled by.
+float softmax_step(RowState& st, float* s, float* p, int64_t bs, int64_t j0, int64_t j1,
+                   float soft_cap) {
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  if (soft_cap > 0.0f)
+    for (int64_t j = j0; j < j1; ++j) s[j] = soft_cap * std::tanh(s[j] / soft_cap);
+  float block_max = kMinusInf;
+  int64_t j = 0;
+  if (bs % kLanes == 0) {   // whole vectors: invisible keys set to -inf, exp gives them 0
+    for (int64_t x = 0; x < j0; ++x) s[x] = kMinusInf;
+    for (int64_t x = j1; x < bs; ++x) s[x] = kMinusInf;
+    Vec mx = splat(kMinusInf);
+    for (; j < bs; j += kLanes) mx = max(mx, load(s + j));
+    block_max = hmax(mx);
+    const float m_new = std::max(st.m, block_max);
+    const float correction = std::exp(st.m - m_new);  // 0 on the first block (m = -inf)
+    Vec sum = zero();
+    for (j = 0; j < bs; j += kLanes) {
+      const Vec e = exp(sub(load(s + j), splat(m_new)));
+      store(p + j, e);
+      sum = add(sum, e);
+    }
+    st.l = st.l * correction + hsum(sum);
+    st.m = m_new;
+    return correction;
+  }
+  for (j = j0; j < j1; ++j) block_max = std::max(block_max, s[j]);
+  const float m_new = std::max(st.m, block_max);
+  const float correction = std::exp(st.m - m_new);
+  float sum = 0.0f;
+  for (j = 0; j < bs; ++j) {
+    p[j] = (j >= j0 && j < j1) ? std::exp(s[j] - m_new) : 0.0f;
     sum += p[j];
   }
-  return sum;
+  st.l = st.l * correction + sum;
+  st.m = m_new;
+  return correction;
 }
 
-void attend_tile(const Geometry& g, const Tile& tile, int64_t kvh, const float* q,
-                 const float* k_cache, const float* v_cache, const int32_t* positions,
-                 const int32_t* block_tables, float* out) {
-  const int64_t D = g.D, bs = g.bs, rows = tile.nq * g.G;
+constexpr int kRowGroup = 4;   // rows whose acc[D] stay in registers together
+
+// acc_r = acc_r * c_r + sum_{j < n} p_r[j] * v_j for rows r < nr <= kRowGroup (v_j at
+// v + j * stride; p_r = p + r * kMaxBlockSize).  DV > 0: D = DV vectors (in registers).
+template <int DV>
+void accumulate(RowState* const* rows, const float* c, int nr, const float* p, const float* v,
+                int64_t stride, int64_t n, int64_t D) {
+  if constexpr (DV > 0) {
+    Vec a[kRowGroup][DV];
+    for (int r = 0; r < nr; ++r) {
+      const Vec cv = splat(c[r]);
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) a[r][d] = mul(load(rows[r]->acc + d * kLanes), cv);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = v + j * stride;
+      Vec vv[DV];
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) vv[d] = load(vj + d * kLanes);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRowGroup; ++r) {
+        if (r >= nr) break;
+        const Vec pj = splat(p[r * kMaxBlockSize + j]);
+#pragma GCC unroll 16
+        for (int d = 0; d < DV; ++d) a[r][d] = fma(pj, vv[d], a[r][d]);
+      }
+    }
+    for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) store(rows[r]->acc + d * kLanes, a[r][d]);
+  } else {
+    for (int r = 0; r < nr; ++r)
+      for (int64_t d = 0; d < D; ++d) {
+        float a = rows[r]->acc[d] * c[r];
+        for (int64_t j = 0; j < n; ++j) a += p[r * kMaxBlockSize + j] * v[j * stride + d];
+        rows[r]->acc[d] = a;
+      }
+  }
+}
+
+// Reads `floats` floats at k and at v, so that they are in cache when the compute loops come
+// (a tight run of loads streams from memory ~1.8x faster than the loads the compute issues);
+// returns a sum nobody uses but the compiler cannot drop.
+float warm(const float* k, const float* v, int64_t floats) {
+  Vec a = zero(), b = zero();
+  for (int64_t i = 0; i + kLanes <= floats; i += kLanes) {
+    a = add(a, load(k + i));
+    b = add(b, load(v + i));
+  }
+  return hsum(add(a, b));
+}
+
+// Attend the tile's tokens to blocks [b0, b1) of their row; states[i * H + h] is token i,
+// query head h, already initialised (and left unnormalised).
+template <int DV>
+void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, const float* q,
+                   const float* k_cache, const float* v_cache, const int32_t* positions,
+                   const int32_t* block_tables, RowState* states) {
+  const int64_t D = g.D, bs = g.bs;
   const int64_t stride = g.KVH * D;  // floats between consecutive slots of one kv head
   const int64_t max_pos = g.W * bs - 1;
+  const int64_t block_floats = bs * stride;
   thread_local std::vector<float> scratch;
-  scratch.resize(rows * (2 * D + 2) + 2 * kMaxBlockSize);
-  float* qs = scratch.data();        // [rows, D] scaled queries
-  float* acc = qs + rows * D;        // [rows, D]
-  float* m = acc + rows * D;         // [rows]
-  float* l = m + rows;               // [rows]
-  float* s = l + rows;               // [bs] scores of one query
-  float* p = s + kMaxBlockSize;      // [bs] their exps
-  int64_t lo = max_pos, hi = 0;
-  std::vector<int64_t> qpos(tile.nq), qlo(tile.nq);
+  scratch.resize(tile.nq * g.H * D + D * bs + 2 * kRowGroup * kMaxBlockSize);
+  float* qs = scratch.data();                 // [nq, H, D] scaled queries
+  float* kt = qs + tile.nq * g.H * D;         // [D, bs] one kv head's keys, transposed
+  float* s = kt + D * bs;                     // [kRowGroup, kMaxBlockSize] scores
+  float* p = s + kRowGroup * kMaxBlockSize;   // [kRowGroup, kMaxBlockSize] their exps
+  int64_t qpos[kQueryTile], qlo[kQueryTile];
   for (int64_t i = 0; i < tile.nq; ++i) {
-    const int64_t pos = std::clamp<int64_t>(positions[tile.t0 + i], 0, max_pos);
-    qpos[i] = pos;
-    qlo[i] = g.window > 0 ? std::max<int64_t>(0, pos - g.window + 1) : 0;
-    lo = std::min(lo, qlo[i]);
-    hi = std::max(hi, pos);
-    for (int64_t h = 0; h < g.G; ++h) {
-      const float* src = q + ((tile.t0 + i) * g.H + kvh * g.G + h) * D;
-      float* dst = qs + (i * g.G + h) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * g.scale;
-    }
+    qpos[i] = std::clamp<int64_t>(positions[tile.t0 + i], 0, max_pos);
+    qlo[i] = g.window > 0 ? std::max<int64_t>(0, qpos[i] - g.window + 1) : 0;
+    const float* src = q + (tile.t0 + i) * g.H * D;
+    for (int64_t x = 0; x < g.H * D; ++x) qs[i * g.H * D + x] = src[x] * g.scale;
   }
-  std::fill(acc, acc + rows * D, 0.0f);
-  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + rows, 0.0f);
   const int32_t* table = block_tables + static_cast<int64_t>(tile.row) * g.W;
-  for (int64_t b = lo / bs; b <= hi / bs; ++b) {
+  auto block_base = [&](int64_t b) {
     const int64_t block = std::clamp<int64_t>(table[b], 0, g.N - 1);
-    const int64_t base = ((g.layer * g.N + block) * bs) * stride + kvh * D;
-    const float* kb = k_cache + base;
-    const float* vb = v_cache + base;
+    return (g.layer * g.N + block) * block_floats;
+  };
+  float sink = 0.0f;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t base = block_base(b);
+    if ((b - b0) % kStageBlocks == 0)   // stage the next kStageBlocks blocks into cache
+      for (int64_t w = b; w < std::min(b + kStageBlocks, b1); ++w)
+        sink += warm(k_cache + block_base(w), v_cache + block_base(w), block_floats);
     const int64_t first = b * bs;
-    for (int64_t i = 0; i < tile.nq; ++i) {
-      // keys of this block the query sees: [j0, j1)
-      const int64_t j0 = std::max<int64_t>(0, qlo[i] - first);
-      const int64_t j1 = std::min<int64_t>(bs, qpos[i] - first + 1);
-      if (j1 <= j0) continue;
-      for (int64_t h = 0; h < g.G; ++h) {
-        const int64_t r = i * g.G + h;
-        const float* qr = qs + r * D;
-        for (int64_t j = j0; j < j1; ++j) s[j - j0] = dot(qr, kb + j * stride, D);
-        const int64_t n = j1 - j0;
-        if (g.soft_cap > 0.0f) soft_cap_scores(s, n, g.soft_cap);
-        float block_max = s[0];
-        for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, s[j]);
-        const float m_new = std::max(m[r], block_max);
-        const float correction = std::exp(m[r] - m_new);  // 0 on the first block (m = -inf)
-        l[r] = l[r] * correction + exp_block(s, m_new, p, n);
-        m[r] = m_new;
-        accumulate(acc + r * D, correction, p, vb + j0 * stride, stride, n, D);
+    for (int64_t kvh = 0; kvh < g.KVH; ++kvh) {
+      const float* vb = v_cache + base + kvh * D;
+      transpose_keys(k_cache + base + kvh * D, stride, bs, D, kt);
+      for (int64_t i = 0; i < tile.nq; ++i) {
+        const int64_t j0 = std::max<int64_t>(0, qlo[i] - first);   // keys [j0, j1) visible
+        const int64_t j1 = std::min<int64_t>(bs, qpos[i] - first + 1);
+        if (j1 <= j0) continue;
+        for (int64_t h0 = kvh * g.G; h0 < (kvh + 1) * g.G; h0 += kRowGroup) {
+          const int nr = static_cast<int>(std::min<int64_t>(kRowGroup, (kvh + 1) * g.G - h0));
+          RowState* rows[kRowGroup];
+          const float* qr[kRowGroup];
+          float c[kRowGroup];
+          for (int r = 0; r < nr; ++r) {
+            rows[r] = &states[i * g.H + h0 + r];
+            qr[r] = qs + (i * g.H + h0 + r) * D;
+          }
+          kScores[nr](qr, kt, bs, D, s);
+          for (int r = 0; r < nr; ++r)
+            c[r] = softmax_step(*rows[r], s + r * kMaxBlockSize, p + r * kMaxBlockSize, bs, j0,
+                                j1, g.soft_cap);
+          accumulate<DV>(rows, c, nr, p + j0, vb + j0 * stride, stride, j1 - j0, D);
+        }
       }
     }
   }
-  for (int64_t i = 0; i < tile.nq; ++i)
-    for (int64_t h = 0; h < g.G; ++h) {
-      const int64_t r = i * g.G + h;
-      float* dst = out + ((tile.t0 + i) * g.H + kvh * g.G + h) * D;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
-    }
+  volatile float keep = sink;
+  (void)keep;
+}
+
+using AttendFn = void (*)(const Geometry&, const Tile&, int64_t, int64_t, const float*,
+                          const float*, const float*, const int32_t*, const int32_t*,
+                          RowState*);
+
+AttendFn attend_for(int64_t D) {
+  if (D == 4 * kLanes) return attend_blocks<4>;
+  if (D == 8 * kLanes) return attend_blocks<8>;
+  if (D == 16 * kLanes) return attend_blocks<16>;
+  if (D == 2 * kLanes) return attend_blocks<2>;
+  return attend_blocks<0>;
 }
 
 ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
@@ -178,6 +303,7 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
                           ffi::ResultBuffer<ffi::F32, 3> out, int64_t num_blocks,
                           int64_t block_size, float scale, float soft_cap,
                           int64_t sliding_window) {
+  ScopedTimer timer(Kernel::kPagedAttention);
   Geometry g;
   g.T = q.dimensions()[0];
   g.H = q.dimensions()[1];
@@ -195,7 +321,8 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
       v_cache.dimensions()[1] != g.KVH || v_cache.dimensions()[2] != g.D)
     return ffi::Error::InvalidArgument("xlaserve_paged_attention: q [T, H, D] and caches "
                                        "[L*N*bs, KVH, D] disagree");
-  if (g.bs <= 0 || g.bs > kMaxBlockSize || g.N <= 0 || k_cache.dimensions()[0] % (g.N * g.bs))
+  if (g.bs <= 0 || g.bs > kMaxBlockSize || g.N <= 0 || g.W <= 0 ||
+      k_cache.dimensions()[0] % (g.N * g.bs))
     return ffi::Error::InvalidArgument("xlaserve_paged_attention: cache rows are not a "
                                        "multiple of num_blocks x block_size");
   g.G = g.H / g.KVH;
@@ -209,7 +336,9 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
   const int32_t* rows = token_rows.typed_data();
   const int32_t* pos = positions.typed_data();
   float* o = out->typed_data();
+  const int64_t max_pos = g.W * g.bs - 1;
   std::vector<Tile> tiles;
+  int64_t total_blocks = 0;
   for (int64_t t = 0; t < g.T;) {
     const int32_t r = rows[t];
     if (r < 0 || r >= g.R) {  // padding (or a row id outside the table): zeros
@@ -219,16 +348,84 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
     }
     int64_t n = 1;
     while (t + n < g.T && n < kQueryTile && rows[t + n] == r) ++n;
-    tiles.push_back({t, n, r});
+    int64_t lo = max_pos, hi = 0;
+    for (int64_t i = t; i < t + n; ++i) {
+      const int64_t p = std::clamp<int64_t>(pos[i], 0, max_pos);
+      lo = std::min(lo, g.window > 0 ? std::max<int64_t>(0, p - g.window + 1) : 0);
+      hi = std::max(hi, p);
+    }
+    tiles.push_back({t, n, r, lo / g.bs, hi / g.bs + 1});
+    total_blocks += hi / g.bs + 1 - lo / g.bs;
     t += n;
   }
+  // Items: every tile whole, unless that leaves threads idle; then long tiles are split into
+  // runs of about total / (kItemsPerThread x threads) blocks (at least kMinChunkBlocks).
+  const int64_t want = kItemsPerThread * num_threads();
+  const int64_t chunk = static_cast<int64_t>(tiles.size()) >= want ? 0 :
+      std::max<int64_t>(kMinChunkBlocks, (total_blocks + want - 1) / want);
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(tiles.size() + 1);
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    first_item[i] = static_cast<int64_t>(items.size());
+    const Tile& tl = tiles[i];
+    const int64_t parts = chunk ? std::max<int64_t>(1, (tl.b_hi - tl.b_lo) / chunk) : 1;
+    for (int64_t c = 0; c < parts; ++c)
+      items.push_back({static_cast<int64_t>(i), tl.b_lo + (tl.b_hi - tl.b_lo) * c / parts,
+                       tl.b_lo + (tl.b_hi - tl.b_lo) * (c + 1) / parts, c});
+  }
+  first_item[tiles.size()] = static_cast<int64_t>(items.size());
+  // Per item and (token, head): m, l, acc[D].  A tile that is one item writes out directly.
+  const int64_t row_floats = g.D + 2;
+  thread_local std::vector<float> state_buffer;   // reused: a fresh one per call page-faults
+  state_buffer.resize(items.size() * kQueryTile * g.H * row_floats);
+  float* const state = state_buffer.data();       // (workers must not name the thread_local)
   const float* qp = q.typed_data();
   const float* kp = k_cache.typed_data();
   const float* vp = v_cache.typed_data();
   const int32_t* bt = block_tables.typed_data();
-  parallel_for(static_cast<int64_t>(tiles.size()) * g.KVH, [&](int64_t item) {
-    attend_tile(g, tiles[item / g.KVH], item % g.KVH, qp, kp, vp, pos, bt, o);
+  const AttendFn attend = attend_for(g.D);
+  parallel_for(static_cast<int64_t>(items.size()), [&](int64_t it) {
+    const Item& item = items[it];
+    const Tile& tile = tiles[item.tile];
+    float* base = state + it * kQueryTile * g.H * row_floats;
+    RowState rs[kQueryTile * 64];
+    std::vector<RowState> big;
+    RowState* st = rs;
+    if (tile.nq * g.H > kQueryTile * 64) {
+      big.resize(tile.nq * g.H);
+      st = big.data();
+    }
+    for (int64_t r = 0; r < tile.nq * g.H; ++r) {
+      st[r] = {-std::numeric_limits<float>::infinity(), 0.0f, base + r * row_floats + 2};
+      std::fill(st[r].acc, st[r].acc + g.D, 0.0f);
+    }
+    attend(g, tile, item.b0, item.b1, qp, kp, vp, pos, bt, st);
+    for (int64_t r = 0; r < tile.nq * g.H; ++r) {
+      base[r * row_floats] = st[r].m;
+      base[r * row_floats + 1] = st[r].l;
+    }
   });
+  // Merge each tile's items: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const Tile& tile = tiles[i];
+    for (int64_t r = 0; r < tile.nq * g.H; ++r) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t it = first_item[i]; it < first_item[i + 1]; ++it)
+        M = std::max(M, state[(it * kQueryTile * g.H + r) * row_floats]);
+      float* dst = o + (tile.t0 * g.H + r) * g.D;
+      std::fill(dst, dst + g.D, 0.0f);
+      float l = 0.0f;
+      for (int64_t it = first_item[i]; it < first_item[i + 1]; ++it) {
+        const float* src = state + (it * kQueryTile * g.H + r) * row_floats;
+        if (src[1] == 0.0f) continue;  // this item saw no key of the row
+        const float w = std::exp(src[0] - M);
+        l += w * src[1];
+        for (int64_t d = 0; d < g.D; ++d) dst[d] += w * src[2 + d];
+      }
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      for (int64_t d = 0; d < g.D; ++d) dst[d] *= inv;
+    }
+  }
   return ffi::Error::Success();
 }
 

@@ -6,11 +6,12 @@
 //   otherwise Vec =  4 floats, plain C++ the compiler vectorises as it can (NEON, SSE)
 //
 // Only what the kernels use: unaligned load/store, broadcast, fused multiply-add, max, a
-// horizontal sum and max, and exp (Cephes-style range reduction + degree-6 polynomial, relative
-// error ~2e-7 over the softmax's range; inputs below -87 give 0).
+// horizontal sum and max, a kLanes x kLanes transpose, and exp (range reduction + degree-6
+// Taylor polynomial, relative error ~2e-7 over the softmax's range; inputs below -87 give 0).
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -41,6 +42,43 @@ inline Vec round_nearest(Vec a) {
   return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
 }
 inline Vec scale_by_pow2(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }  // a * 2^n
+
+// dst[c * dst_stride + r] = src[r * src_stride + c] for r, c < 16: unpacks of 32- then 64-bit
+// pairs, then two rounds of 128-bit lane shuffles.
+inline void transpose_tile(const float* src, int64_t src_stride, float* dst,
+                           int64_t dst_stride) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = lo(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = hi(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = lo(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = hi(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xdd);
+    t[8 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm512_storeu_ps(dst + k * dst_stride, _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88));
+    _mm512_storeu_ps(dst + (8 + k) * dst_stride, _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd));
+    _mm512_storeu_ps(dst + (4 + k) * dst_stride, _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88));
+    _mm512_storeu_ps(dst + (12 + k) * dst_stride,
+                     _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xdd));
+  }
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
@@ -79,6 +117,27 @@ inline Vec scale_by_pow2(Vec a, Vec n) {  // a * 2^n for integral n in [-127, 12
   return {_mm256_mul_ps(a.v, _mm256_castsi256_ps(e))};
 }
 
+// dst[c * dst_stride + r] = src[r * src_stride + c] for r, c < 8.
+inline void transpose_tile(const float* src, int64_t src_stride, float* dst,
+                           int64_t dst_stride) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm256_storeu_ps(dst + k * dst_stride, _mm256_permute2f128_ps(r[k], r[4 + k], 0x20));
+    _mm256_storeu_ps(dst + (4 + k) * dst_stride, _mm256_permute2f128_ps(r[k], r[4 + k], 0x31));
+  }
+}
+
 #else
 
 constexpr int kLanes = 4;
@@ -100,6 +159,11 @@ inline Vec round_nearest(Vec a) { XLASERVE_LANEWISE(std::nearbyint(a.v[i])); }
 inline Vec scale_by_pow2(Vec a, Vec n) { XLASERVE_LANEWISE(std::ldexp(a.v[i], int(n.v[i]))); }
 #undef XLASERVE_LANEWISE
 inline float hsum(Vec a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+inline void transpose_tile(const float* src, int64_t src_stride, float* dst,
+                           int64_t dst_stride) {
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 4; ++c) dst[c * dst_stride + r] = src[r * src_stride + c];
+}
 inline float hmax(Vec a) { return std::fmax(std::fmax(a.v[0], a.v[1]), std::fmax(a.v[2], a.v[3])); }
 
 #endif
