@@ -81,3 +81,38 @@ def test_logprobs_and_bias() -> None:
     np.testing.assert_allclose(np.exp(np.asarray(out.top_logprobs[0, :3])), PROBS[:3],
                                rtol=1e-5)
     assert abs(float(out.logprob[0]) - np.log(PROBS[1])) < 1e-5  # raw, unbiased logprob
+
+
+def _kept_set(logits: np.ndarray, top_k: int = 0, top_p: float = 1.0) -> set[int]:
+    """The tokens a filter keeps, by a full sort in numpy (ties at the cut kept)."""
+    order = np.argsort(-logits, kind="stable")
+    z = logits[order]
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    cut = -np.inf
+    if top_k:
+        cut = max(cut, z[top_k - 1])
+    if top_p < 1.0:
+        before = np.cumsum(p) - p
+        cut = max(cut, z[before < top_p].min())
+    return {int(i) for i in np.flatnonzero(logits >= cut)}
+
+
+@pytest.mark.parametrize("shape,kw", [
+    ("peaked", dict(top_k=5)), ("peaked", dict(top_p=0.5)), ("peaked", dict(top_p=0.9)),
+    ("flat", dict(top_p=0.5)),     # the kept set spills past the candidates: the sorted path
+    ("flat", dict(top_k=300)),     # top-k above the candidates: the sorted path
+])
+def test_filters_over_a_large_vocabulary_keep_exactly_their_tokens(shape, kw):
+    """V = 1000: the best-256 candidate path where the kept set fits in it, the sorted path
+    where it does not; either way every draw lies in the exact set, and draws cover it."""
+    v, rows = 1000, 2048
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal(v).astype(np.float32) * (4.0 if shape == "peaked" else 0.3)
+    want = _kept_set(logits, **kw)
+    arrays = _arrays(rows, **kw)._replace(bias=jnp.zeros((rows, v), jnp.float32))
+    out = _sample(jnp.tile(jnp.asarray(logits), (rows, 1)), arrays)
+    got = set(np.asarray(out.tokens).tolist())
+    assert got <= want
+    if len(want) <= 64:
+        assert got == want

@@ -42,6 +42,7 @@ HANDLERS = {
     "xlaserve_matmul": "XlaserveMatmul",
     "xlaserve_matmul_nt": "XlaserveMatmulNt",
     "xlaserve_paged_attention": "XlaservePagedAttention",
+    "xlaserve_top_k": "XlaserveTopK",
 }
 
 
@@ -138,7 +139,7 @@ def load_error() -> str | None:
     return _load()[1]
 
 
-KERNEL_NAMES = ("matmul", "matmul_nt", "paged_attention")   # stats.h's Kernel order
+KERNEL_NAMES = ("matmul", "matmul_nt", "paged_attention", "top_k")   # stats.h's Kernel order
 
 
 def kernel_stats() -> dict[str, tuple[float, int]]:

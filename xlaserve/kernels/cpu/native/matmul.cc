@@ -10,7 +10,7 @@
 // index, so every weight byte is read once per step, straight from the stacked parameter.
 //
 // Scheme (matmul), M <= kStreamRows (decode of a few rows): memory-bound, so every thread
-// streams contiguous weight rows.  Each w_j is cut along K into one chunk per thread; a work
+// streams contiguous weight rows.  Each w_j is cut along K into a few chunks per thread; a work
 // item (j, chunk) accumulates x[:, chunk] @ w_j[chunk, :] into its own partial [M, N_j],
 // four weight rows per pass over the partial (which stays in L1), and the caller adds the
 // partials up.  Items run largest first.  (Cutting the columns instead makes each thread read
@@ -170,7 +170,8 @@ void stream(const float* x, int64_t M, int64_t K, const std::vector<Operand>& op
     int64_t k0, k1;
     float* partial;
   };
-  const int64_t chunks = std::min<int64_t>(num_threads(), std::max<int64_t>(1, K / 4));
+  const int64_t chunks = std::min<int64_t>(kItemsPerThread * num_threads(),
+                                           std::max<int64_t>(1, K / 16));
   thread_local std::vector<float> partials;
   int64_t need = 0;
   for (const Operand& o : ops) need += chunks * M * o.N;

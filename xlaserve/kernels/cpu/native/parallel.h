@@ -11,6 +11,13 @@
 // kSpinMicros before it sleeps, so back-to-back calls start on every core within a
 // microsecond; idle, the pool sleeps on a condition variable.
 //
+// Sharing the cores: a server also runs Python (the engine's scheduling, the HTTP event loop)
+// on the same cores, which preempts whichever thread it lands on.  So nothing waits long by
+// spinning: the caller polls for workers still inside an item for kSpinMicros, then yields
+// its core to them; workers spin between calls only briefly; and callers cut their work into
+// several items per thread, so a preempted thread holds back one small item, not half the
+// call.
+//
 // Threads: std::thread::hardware_concurrency(), capped by $XLASERVE_CPU_THREADS (read once); the
 // caller is one of them.  One call uses the workers at a time: a call made while another runs
 // (two engines in one process) runs on its own thread alone rather than waiting.
@@ -68,7 +75,14 @@ class WorkerPool {
       std::lock_guard<std::mutex> lock(mu_);
       job_ = nullptr;  // late workers find nothing to join
     }
-    while (job.running.load(std::memory_order_acquire) > 0) XLASERVE_PAUSE();
+    const auto start = std::chrono::steady_clock::now();
+    for (int spins = 0; job.running.load(std::memory_order_acquire) > 0; ++spins) {
+      if (spins < 64 || std::chrono::steady_clock::now() - start <
+                            std::chrono::microseconds(kSpinMicros))
+        XLASERVE_PAUSE();
+      else
+        std::this_thread::yield();   // a worker holding an item was preempted: let it run
+    }
   }
 
  private:
@@ -85,7 +99,7 @@ class WorkerPool {
     }
   };
 
-  static constexpr int64_t kSpinMicros = 300;
+  static constexpr int64_t kSpinMicros = 50;
 
   WorkerPool() {
     int64_t threads = std::max(1u, std::thread::hardware_concurrency());

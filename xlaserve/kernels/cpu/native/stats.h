@@ -15,7 +15,7 @@
 
 namespace xlaserve {
 
-enum class Kernel : int { kMatmul = 0, kMatmulNt = 1, kPagedAttention = 2, kCount = 3 };
+enum class Kernel : int { kMatmul = 0, kMatmulNt = 1, kPagedAttention = 2, kTopK = 3, kCount = 4 };
 
 struct KernelCounters {
   std::atomic<int64_t> ns[static_cast<int>(Kernel::kCount)] = {};
