@@ -52,6 +52,8 @@ constexpr int kPrefetchRows = 32;
 constexpr int kNtRowsPerItem = 64;
 constexpr int64_t kItemsPerThread = 4;
 constexpr int64_t kStreamRows = 4;
+constexpr int64_t kPackRows = 64;    // from this many rows, weight panels are packed first
+constexpr int64_t kMBlock = 64;      // rows of x run over the packed panels at a time
 
 // y[0:MR, 0:NV*kLanes] = x[0:MR, :] @ w[:, 0:NV*kLanes]; x rows ldx apart, w rows ldw apart.
 template <int MR, int NV>
@@ -93,6 +95,32 @@ void column_tile(const float* x, int64_t M, int64_t K, const float* w, int64_t N
   if (M - m >= 4) { tile_nn<4, NV>(x + m * K, K, w + n0, N, y + m * N + n0, N, K); m += 4; }
   if (M - m >= 2) { tile_nn<2, NV>(x + m * K, K, w + n0, N, y + m * N + n0, N, K); m += 2; }
   if (M - m >= 1) tile_nn<1, NV>(x + m * K, K, w + n0, N, y + m * N + n0, N, K);
+}
+
+// Full-width column tiles [n0_i, n0_i + kTileN) of one weight, for many rows (prefill): each
+// tile's panel w[:, n0:n0 + kTileN] is copied once into a contiguous [K, kTileN] buffer (the
+// panel's rows are N floats apart in w), then rows are run kMBlock at a time over all the
+// tiles, so that the packed panels and one block of x stay in L2 together.
+void packed_tiles(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y,
+                  const int64_t* n0, int64_t count) {
+  thread_local std::vector<float> packed;
+  packed.resize(count * K * kTileN);
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t k = 0; k < K; ++k)
+      std::copy(w + k * N + n0[t], w + k * N + n0[t] + kTileN,
+                packed.data() + (t * K + k) * kTileN);
+  for (int64_t m0 = 0; m0 < M; m0 += kMBlock) {
+    const int64_t rows = std::min<int64_t>(kMBlock, M - m0);
+    for (int64_t t = 0; t < count; ++t) {
+      const float* pw = packed.data() + t * K * kTileN;
+      float* yt = y + m0 * N + n0[t];
+      const float* xt = x + m0 * K;
+      int64_t m = 0;
+      for (; m + kMaxRows <= rows; m += kMaxRows)
+        tile_nn<kMaxRows, kTileVecs>(xt + m * K, K, pw, kTileN, yt + m * N, N, K);
+      for (; m < rows; ++m) tile_nn<1, kTileVecs>(xt + m * K, K, pw, kTileN, yt + m * N, N, K);
+    }
+  }
 }
 
 void scalar_columns(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y,
@@ -239,12 +267,22 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32, 2> x,
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t items = std::min<int64_t>(num_tiles, kItemsPerThread * num_threads());
   parallel_for(items, [&](int64_t item) {
-    for (int64_t i = num_tiles * item / items; i < num_tiles * (item + 1) / items; ++i) {
+    const int64_t end = num_tiles * (item + 1) / items;
+    for (int64_t i = num_tiles * item / items; i < end;) {
       const ColumnTile& t = tiles[i];
       const Operand& o = ops[t.operand];
+      if (M >= kPackRows && t.width == kTileN) {   // a run of full tiles of one operand
+        int64_t n0[64], count = 0;
+        while (i < end && count < 64 && tiles[i].operand == t.operand &&
+               tiles[i].width == kTileN)
+          n0[count++] = tiles[i++].n0;
+        packed_tiles(xp, M, K, o.w, o.N, o.y, n0, count);
+        continue;
+      }
       if (t.width == kTileN) column_tile<kTileVecs>(xp, M, K, o.w, o.N, o.y, t.n0);
       else if (t.width == kLanes) column_tile<1>(xp, M, K, o.w, o.N, o.y, t.n0);
       else scalar_columns(xp, M, K, o.w, o.N, o.y, t.n0, t.width);
+      ++i;
     }
   });
   return ffi::Error::Success();
