@@ -144,18 +144,28 @@ void stream_rows(const float* __restrict x, int64_t M, int64_t K, const float* _
     const float* w1 = w0 + N;
     const float* w2 = w1 + N;
     const float* w3 = w2 + N;
+    Vec s[kStreamRows][4];
+    for (int64_t m = 0; m < M; ++m)
+      for (int u = 0; u < 4; ++u) s[m][u] = splat(x[m * K + k + u]);
+    // Each weight vector is loaded once for all M rows: the stream from memory never waits
+    // for a pass over rows it has already brought in.
+    for (int64_t n = 0; n < nv; n += kLanes) {
+      const Vec v0 = load(w0 + n), v1 = load(w1 + n), v2 = load(w2 + n), v3 = load(w3 + n);
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < kStreamRows; ++m) {
+        if (m >= M) break;
+        float* y = partial + m * N + n;
+        Vec a = load(y);
+        a = fma(s[m][0], v0, a);
+        a = fma(s[m][1], v1, a);
+        a = fma(s[m][2], v2, a);
+        a = fma(s[m][3], v3, a);
+        store(y, a);
+      }
+    }
     for (int64_t m = 0; m < M; ++m) {
       const float* xr = x + m * K + k;
-      const Vec s0 = splat(xr[0]), s1 = splat(xr[1]), s2 = splat(xr[2]), s3 = splat(xr[3]);
       float* y = partial + m * N;
-      for (int64_t n = 0; n < nv; n += kLanes) {
-        Vec a = load(y + n);
-        a = fma(s0, load(w0 + n), a);
-        a = fma(s1, load(w1 + n), a);
-        a = fma(s2, load(w2 + n), a);
-        a = fma(s3, load(w3 + n), a);
-        store(y + n, a);
-      }
       for (int64_t n = nv; n < N; ++n)
         y[n] += xr[0] * w0[n] + xr[1] * w1[n] + xr[2] * w2[n] + xr[3] * w3[n];
     }
