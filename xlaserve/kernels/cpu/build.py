@@ -6,10 +6,10 @@
                                                version and this CPU's ISA flags
        -> ctypes.CDLL, jax.ffi.register_ffi_target for every handler in HANDLERS
 
-`make setup` runs `python -m xlaserve.kernels.cpu.build` (so `make serve` / `make test` build it
-on a fresh machine); `load()` builds on first use when the cached library is missing, so an
-installed package works without the Makefile too.  A build takes ~10 s on 2 cores; a cached
-load ~10 ms.  The cache is `$XLASERVE_KERNEL_CACHE`, else ~/.cache/xlaserve/kernels: outside the
+`make kernels` (a step of `make serve` and `make test`) runs `python -m xlaserve.kernels.cpu.build`,
+so a fresh machine builds it during set-up; `load()` builds on first use when the cached library
+is missing, so an installed package works without the Makefile too.  A build takes ~8 s on the
+2-core development box; finding the cached one, a few milliseconds.  The cache is `$XLASERVE_KERNEL_CACHE`, else ~/.cache/xlaserve/kernels: outside the
 source tree, so a clean clone never finds a stale library next to the code.
 
 When no compiler is found, or the build fails (another ISA, old headers), `load()` returns

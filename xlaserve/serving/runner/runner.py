@@ -33,6 +33,7 @@ would need its own distributed top-k / top-p and could disagree with one device 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,22 @@ from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.parallel_forward import Forward, make_sharded_forward
 
 PENDING = -1  # a token id still on device: the row's previous sampled token
+
+log = logging.getLogger(__name__)
+
+
+def log_backend(requested: str, chosen: str, platform: str, dtype: str) -> None:
+    """Say at start-up which kernels serve, and why the CPU kernels do not when `auto` wanted
+    them (once per runner: an engine builds one)."""
+    why = ""
+    if requested == "auto" and platform == "cpu" and chosen != "cpu":
+        from xlaserve.kernels.cpu import build
+
+        why = f" (the CPU kernels are not available: {build.load_error()})"
+        log.warning("attention backend: %s on %s, dtype %s%s", chosen, platform, dtype, why)
+        return
+    log.info("attention backend: %s on %s, dtype %s (requested %s)", chosen, platform, dtype,
+             requested)
 
 
 @dataclass(frozen=True)
@@ -137,7 +154,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
-        self.backend = resolve_backend(attention_backend, mesh.devices.flat[0].platform)
+        platform = mesh.devices.flat[0].platform
+        self.backend = resolve_backend(attention_backend, platform)
+        log_backend(attention_backend, self.backend, platform, config.dtype)
         # The CPU kernels read only each row's real blocks: one table width serves every step.
         self.buckets = buckets.single_width() if self.backend == "cpu" else buckets
         self.replicated = NamedSharding(mesh, PartitionSpec())
