@@ -66,3 +66,22 @@ def test_shapes_are_checked_with_their_values():
         layer_matmul(x, (jnp.zeros((3, 9, 4)),), jnp.int32(0))
     with pytest.raises(ValueError, match=r"table must be \[V, E=8\], got \(4, 9\)"):
         head_matmul(x, jnp.zeros((4, 9)))
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 33, 130])
+def test_packed_weights_match_the_unpacked(m):
+    """Panels of TILE_N columns, the last one padded (N = 200 is not a multiple of 48 or 24)."""
+    from xlaserve.kernels.matmul import pack_weight
+
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 96)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((3, 96, n)), jnp.float32) for n in (200, 48, 576)]
+    packed = [pack_weight(w) for w in ws]
+    assert [p.shape for p in packed] == [w.shape for w in ws]
+    np.testing.assert_array_equal(np.asarray(packed[0].unpacked()), np.asarray(ws[0]))
+    for layer in (0, 2):
+        got = jax.jit(lambda x, *p: layer_matmul(x, p, jnp.int32(layer)))(x, *packed)
+        for g, w in zip(got, layer_matmul_reference(x, ws, layer)):
+            assert rel_error(g, w) < 1e-5
+    with pytest.raises(ValueError, match="packed and unpacked"):
+        layer_matmul(x, (packed[0], ws[1]), jnp.int32(0))

@@ -7,6 +7,12 @@ Three faces per op: the native CPU kernel (`kernels/cpu/native/matmul.cc`, throu
 the checked wrapper (`layer_matmul`, `head_matmul`, which pick the kernel or the jnp path), and
 the jnp reference (`*_reference`, which defines the semantics).
 
+A weight may also come packed (`PackedWeight`, made once at load by `pack_weight`): its
+columns cut into panels of TILE_N, each stored as one contiguous [K, TILE_N] run, so that the
+kernel streams every panel from memory whatever the number of rows (unpacked, a panel's rows
+lie N floats apart, which the hardware prefetcher follows poorly: a batch of 8 rows took twice
+its bandwidth floor).
+
 Why a kernel: under `lax.scan` XLA:CPU slices w[layer] into a fresh buffer before each dot (every
 weight byte read, written and read again), and runs batch-1 dots on one thread.  The kernel takes
 the whole stack and the layer index and reads the slice where it lies, on every core.  Several
@@ -17,6 +23,7 @@ On other platforms, and for other dtypes, the reference is the implementation (X
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +31,59 @@ import jax.numpy as jnp
 from xlaserve.kernels.cpu import build
 
 
-def layer_matmul_reference(x: jax.Array, weights: Sequence[jax.Array],
+@jax.tree_util.register_pytree_node_class
+class PackedWeight:
+    """A stacked weight w [L, K, N] as column panels: panels[l, t, k, c] = w[l, k, t*TN + c]
+    ([L, ceil(N / TN), K, TN], zero past N)."""
+
+    def __init__(self, panels: jax.Array, n: int):
+        self.panels = panels
+        self.n = n
+
+    @property
+    def shape(self) -> tuple[int, int, int]:   # the logical [L, K, N]
+        return (self.panels.shape[0], self.panels.shape[2], self.n)
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    @property
+    def dtype(self) -> Any:
+        return self.panels.dtype
+
+    def unpacked(self) -> jax.Array:
+        """The [L, K, N] weight again (a copy: for the jnp path and tests)."""
+        l, t, k, tn = self.panels.shape
+        return self.panels.transpose(0, 2, 1, 3).reshape(l, k, t * tn)[:, :, :self.n]
+
+    def tree_flatten(self) -> tuple[tuple[jax.Array], int]:
+        return (self.panels,), self.n
+
+    @classmethod
+    def tree_unflatten(cls, n: int, children: tuple[jax.Array]) -> PackedWeight:
+        return cls(children[0], n)
+
+
+def pack_weight(w: jax.Array) -> PackedWeight:
+    """w [L, K, N] (float32) -> its panels for the CPU kernel (a jitted copy, once at load)."""
+    tn = build.matmul_tile_n()
+    l, k, n = w.shape
+    t = -(-n // tn)
+
+    @jax.jit
+    def pack(w: jax.Array) -> jax.Array:
+        padded = jnp.pad(w, ((0, 0), (0, 0), (0, t * tn - n)))
+        return padded.reshape(l, k, t, tn).transpose(0, 2, 1, 3)
+
+    return PackedWeight(pack(w), n)
+
+
+def layer_matmul_reference(x: jax.Array, weights: Sequence[jax.Array | PackedWeight],
                            layer: jax.Array) -> tuple[jax.Array, ...]:
     """x [M, K] @ w[layer] for each w [L, K, N] (or w [K, N]) -> tuple of [M, N]."""
-    return tuple(x @ (w[layer] if w.ndim == 3 else w) for w in weights)
+    ws = [w.unpacked() if isinstance(w, PackedWeight) else w for w in weights]
+    return tuple(x @ (w[layer] if w.ndim == 3 else w) for w in ws)
 
 
 def head_matmul_reference(x: jax.Array, table: jax.Array) -> jax.Array:
@@ -40,7 +96,7 @@ def _check_x(name: str, x: jax.Array) -> None:
         raise ValueError(f"{name}: x must be [M, K], got shape {x.shape}")
 
 
-def check_layer_matmul(x: jax.Array, weights: Sequence[jax.Array]) -> None:
+def check_layer_matmul(x: jax.Array, weights: Sequence[jax.Array | PackedWeight]) -> None:
     _check_x("layer_matmul", x)
     if not weights:
         raise ValueError("layer_matmul needs at least one weight")
@@ -58,16 +114,23 @@ def uses_kernel(x: jax.Array, use_kernel: bool) -> bool:
             and build.load() is not None)
 
 
-def layer_matmul(x: jax.Array, weights: Sequence[jax.Array], layer: jax.Array, *,
-                 use_kernel: bool = True) -> tuple[jax.Array, ...]:
-    """(x @ w[layer] for w in weights): x [M, K], each w [L, K, N_i] -> tuple of [M, N_i]."""
+def layer_matmul(x: jax.Array, weights: Sequence[jax.Array | PackedWeight], layer: jax.Array,
+                 *, use_kernel: bool = True) -> tuple[jax.Array, ...]:
+    """(x @ w[layer] for w in weights): x [M, K], each w [L, K, N_i] (or packed) -> tuple of
+    [M, N_i].  Packed weights go all together (one call) or not at all."""
     weights = tuple(weights)
     check_layer_matmul(x, weights)
+    packed = [isinstance(w, PackedWeight) for w in weights]
     if not uses_kernel(x, use_kernel):
         return layer_matmul_reference(x, weights, layer)
     out = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32) for w in weights)
-    return tuple(jax.ffi.ffi_call("xlaserve_matmul", out)(
-        x, jnp.asarray(layer, jnp.int32).reshape(()), *weights))
+    layer = jnp.asarray(layer, jnp.int32).reshape(())
+    if all(packed):
+        return tuple(jax.ffi.ffi_call("xlaserve_matmul_packed", out)(
+            x, layer, *(w.panels for w in weights)))
+    if any(packed):
+        raise ValueError("layer_matmul: packed and unpacked weights in one call")
+    return tuple(jax.ffi.ffi_call("xlaserve_matmul", out)(x, layer, *weights))
 
 
 def head_matmul(x: jax.Array, table: jax.Array, *, use_kernel: bool = True) -> jax.Array:

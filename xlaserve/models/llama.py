@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.kernels.attention import attention
-from xlaserve.kernels.matmul import head_matmul, layer_matmul
+from xlaserve.kernels.matmul import PackedWeight, head_matmul, layer_matmul, pack_weight
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.rope import apply_rope, inverse_frequencies
 
@@ -157,11 +157,28 @@ class CacheGeometry(NamedTuple):
     block_size: int
 
 
-def _as_matrix(w: jax.Array, inner: int) -> jax.Array:
-    """[L, a, b, c] -> [L, a, b*c] (inner=2) or [L, a*b, c] (inner=1): contiguous, no copy."""
+def _as_matrix(w: jax.Array | PackedWeight, inner: int) -> jax.Array | PackedWeight:
+    """[L, a, b, c] -> [L, a, b*c] (inner=2) or [L, a*b, c] (inner=1): contiguous, no copy.
+    A packed weight is a matrix already."""
+    if isinstance(w, PackedWeight):
+        return w
     if inner == 2:
         return w.reshape(*w.shape[:2], -1)
     return w.reshape(w.shape[0], -1, w.shape[-1])
+
+
+# Each layer weight as the [L, K, N] matrix its matmul multiplies by (see decoder_layers).
+_MATRIX_OF = {"wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_gate": 2, "w_up": 2, "w_down": 2}
+
+
+def pack_params(params: Params) -> Params:
+    """The same parameters with every layer matrix packed into panels for the CPU kernels
+    (kernels/matmul.py); one device only: the panels are not laid out for a mesh."""
+    layers = dict(params["layers"])
+    for name, inner in _MATRIX_OF.items():
+        if not isinstance(layers[name], PackedWeight):
+            layers[name] = pack_weight(_as_matrix(layers[name], inner))
+    return {**params, "layers": layers}
 
 
 def decoder_layers(
@@ -190,11 +207,11 @@ def decoder_layers(
     t = x.shape[0]
     kvh, d = k_flat.shape[1:]
     layers = jax.tree_util.tree_map(jnp.asarray, layers)   # host arrays, outside jit
-    heads = layers["wq"].shape[2]
     use_kernel = attention_backend_uses_kernels(attention_backend)
     inv_freq = jnp.asarray(inverse_frequencies(c))
     wq, wk, wv = (_as_matrix(layers[n], 2) for n in ("wq", "wk", "wv"))  # [L, E, heads*D]
     wo = _as_matrix(layers["wo"], 1)                                      # [L, H*D, E]
+    heads = wq.shape[-1] // d
     per_layer = geometry.num_blocks * geometry.block_size
 
     def layer_step(carry: tuple[jax.Array, ...], i: jax.Array) -> tuple[tuple[jax.Array, ...],

@@ -40,6 +40,7 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-DNDEBUG",
 # FFI target name -> exported handler symbol.
 HANDLERS = {
     "xlaserve_matmul": "XlaserveMatmul",
+    "xlaserve_matmul_packed": "XlaserveMatmulPacked",
     "xlaserve_matmul_nt": "XlaserveMatmulNt",
     "xlaserve_paged_attention": "XlaservePagedAttention",
     "xlaserve_top_k": "XlaserveTopK",
@@ -151,6 +152,15 @@ def kernel_stats() -> dict[str, tuple[float, int]]:
     out = (ctypes.c_int64 * (2 * len(KERNEL_NAMES)))()
     lib.xlaserve_kernel_stats(out)
     return {name: (out[2 * i] / 1e9, int(out[2 * i + 1])) for i, name in enumerate(KERNEL_NAMES)}
+
+
+def matmul_tile_n() -> int:
+    """Columns per packed weight panel (kernels/matmul.py): 3 vectors of the ISA built for."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are not available: {load_error()}")
+    lib.xlaserve_matmul_tile_n.restype = ctypes.c_int64
+    return int(lib.xlaserve_matmul_tile_n())
 
 
 def reset_kernel_stats() -> None:

@@ -38,6 +38,23 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class HostTime:
+    """Seconds the engine thread spends per phase of its steps (for `bench`; no device time
+    but `wait`, the time blocked reading a step's tokens back)."""
+
+    steps: int = 0
+    schedule: float = 0.0     # scheduler.schedule
+    launch: float = 0.0       # rows -> flat batch -> device arrays -> the compiled call
+    process: float = 0.0      # tokens -> detokenize, stop checks, events (after the wait)
+    wait: float = 0.0         # blocked in fetch: the device had not finished the step
+
+    def per_step_ms(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {k: 1e3 * getattr(self, k) / n for k in ("schedule", "launch", "process",
+                                                        "wait")}
+
+
+@dataclass
 class _Launched:
     plan: StepPlan
     call: CallResult | None = None   # None until launched (a failed launch leaves it None)
@@ -72,6 +89,7 @@ class LLMEngine:
         self._rng = random.Random(engine_config.seed)
         self._ready: list[EngineEvent] = []   # made, not yet returned by step()
         self.num_steps = 0
+        self.host_time = HostTime()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -112,14 +130,19 @@ class LLMEngine:
         engine for `fail_in_flight`."""
         if self._in_flight and (not self.config.pipelined or self._needs_host_tokens()):
             self._process_oldest()
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
         for rid in plan.preempted:  # recomputed from known tokens: its slot is not needed
             self._release_slot(rid)
+        t1 = time.perf_counter()
+        self.host_time.schedule += t1 - t0
         if not plan.is_empty:
             launched = _Launched(plan)
             self._in_flight.append(launched)  # before launching: a failure must see it
             self._launch(launched)
             self.num_steps += 1
+            self.host_time.steps += 1
+            self.host_time.launch += time.perf_counter() - t1
         keep = 1 if (self.config.pipelined and not plan.is_empty) else 0
         while len(self._in_flight) > keep:
             self._process_oldest()
@@ -163,8 +186,12 @@ class LLMEngine:
     def _process(self, launched: _Launched) -> None:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
+        t0 = time.perf_counter()
         if launched.call is not None:
             host = launched.call.fetch()
+        t1 = time.perf_counter()
+        self.host_time.wait += t1 - t0
+        if launched.call is not None:
             for i, row in enumerate(launched.plan.rows):
                 if not row.sample:
                     continue
@@ -193,6 +220,7 @@ class LLMEngine:
             final = self._final(rid, reason, self.scheduler.finish(rid, reason))
             events.append(EngineEvent(rid, event.token_ids, event.text, event.logprobs,
                                       final.finish_reason, final.usage))
+        self.host_time.process += time.perf_counter() - t1
 
     def fail_in_flight(self, error: str) -> list[EngineEvent]:
         """`step()` raised, at launch or when reading results back, and the donated KV arrays

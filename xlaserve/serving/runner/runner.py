@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlaserve.kernels.attention import resolve_backend
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import AttentionMetadata, KVCache, Params, forward
+from xlaserve.models.llama import AttentionMetadata, KVCache, Params, forward, pack_params
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.runner.call_profile import CallProfile
 from xlaserve.serving.runner.host_step import HostStep
@@ -163,6 +163,8 @@ class ModelRunner:
         # Already placed parameters (checkpoints.store.load_params) stay where they are; host or
         # differently placed ones are moved to the layout's shardings once, here.
         self.params = self.layout.shard_params(params, mesh)
+        if self.backend == "cpu" and mesh.devices.size == 1:
+            self.params = pack_params(self.params)   # weight panels for the CPU kernels
         sharded = mesh.devices.size > 1
         fwd = make_sharded_forward(config, mesh, num_microbatches=num_microbatches) \
             if sharded else forward

@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "buffers.h"
@@ -298,6 +299,87 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32, 2> x,
   return ffi::Error::Success();
 }
 
+// -- packed weights ---------------------------------------------------------------------------
+//
+//   xlaserve_matmul_packed   x [M, K] f32, layer [] i32, p_j [L, T_j, K, kTileN] f32
+//                            -> y_j [M, N_j] = x @ w_j[layer], T_j = ceil(N_j / kTileN)
+//
+// The same weights stored as column panels (kernels/matmul.py packs them once at load):
+// p[l, t, k, c] = w[l, k, t * kTileN + c], zero past N.  A panel is one contiguous run of
+// K x kTileN floats, so a tile streams it from memory at any M (no rows N floats apart), and
+// the small-M and large-M paths become one: register tiles of up to kMaxRows rows walk the
+// panel, rows taken kMBlock at a time so that x's block and the item's panels share L2.
+
+int64_t tile_n() { return kTileN; }
+
+// y[0:rows, n0:n0 + width) from one panel; width < kTileN for a weight's last tile.
+void panel_rows(const float* x, int64_t rows, int64_t K, const float* panel, float* y,
+                int64_t N, int64_t n0) {
+  const int64_t width = std::min<int64_t>(kTileN, N - n0);
+  float tmp[kMaxRows * kTileN];
+  auto run = [&](auto mr, int64_t m) {
+    constexpr int MR = decltype(mr)::value;
+    if (width == kTileN) {
+      tile_nn<MR, kTileVecs>(x + m * K, K, panel, kTileN, y + m * N + n0, N, K);
+    } else {
+      tile_nn<MR, kTileVecs>(x + m * K, K, panel, kTileN, tmp, kTileN, K);
+      for (int i = 0; i < MR; ++i)
+        std::copy(tmp + i * kTileN, tmp + i * kTileN + width, y + (m + i) * N + n0);
+    }
+  };
+  int64_t m = 0;
+  for (; m + kMaxRows <= rows; m += kMaxRows) run(std::integral_constant<int, kMaxRows>(), m);
+  if (rows - m >= 4) { run(std::integral_constant<int, 4>(), m); m += 4; }
+  if (rows - m >= 2) { run(std::integral_constant<int, 2>(), m); m += 2; }
+  if (rows - m >= 1) run(std::integral_constant<int, 1>(), m);
+}
+
+ffi::Error MatmulPacked(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> layer,
+                        ffi::RemainingArgs weights, ffi::RemainingRets outputs) {
+  ScopedTimer timer(Kernel::kMatmul);
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  const int32_t l = *layer.typed_data();
+  if (weights.size() != outputs.size() || weights.size() == 0)
+    return ffi::Error::InvalidArgument("xlaserve_matmul_packed: one output per weight");
+  struct Panel {
+    const float* p;  // [K, kTileN]
+    float* y;        // [M, N]
+    int64_t N, n0;
+  };
+  std::vector<Panel> panels;
+  for (size_t j = 0; j < weights.size(); ++j) {
+    auto w = weights.get<ffi::Buffer<ffi::F32, 4>>(j);
+    auto y = outputs.get<ffi::Buffer<ffi::F32, 2>>(j);
+    if (!w.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("xlaserve_matmul_packed: weights [L, T, K, TN] f32, "
+                                         "outputs [M, N] f32");
+    auto wd = w->dimensions();
+    const int64_t N = (*y)->dimensions()[1];
+    if (wd[2] != K || wd[3] != kTileN || wd[1] != (N + kTileN - 1) / kTileN ||
+        (*y)->dimensions()[0] != M)
+      return ffi::Error::InvalidArgument("xlaserve_matmul_packed: panels must be [L, ceil(N / "
+                                         "tile_n), K, tile_n] for x [M, K] and y [M, N]");
+    if (l < 0 || l >= wd[0])
+      return ffi::Error::InvalidArgument("xlaserve_matmul_packed: layer out of range");
+    const float* base = w->typed_data() + static_cast<int64_t>(l) * wd[1] * K * kTileN;
+    for (int64_t t = 0; t < wd[1]; ++t)
+      panels.push_back({base + t * K * kTileN, (*y)->typed_data(), N, t * kTileN});
+  }
+  const float* xp = x.typed_data();
+  const int64_t count = static_cast<int64_t>(panels.size());
+  const int64_t items = std::min<int64_t>(count, kItemsPerThread * num_threads());
+  parallel_for(items, [&](int64_t item) {
+    const int64_t b = count * item / items, e = count * (item + 1) / items;
+    for (int64_t m0 = 0; m0 < M; m0 += kMBlock)
+      for (int64_t i = b; i < e; ++i) {
+        const Panel& p = panels[i];
+        panel_rows(xp + m0 * K, std::min<int64_t>(kMBlock, M - m0), K, p.p, p.y + m0 * p.N,
+                   p.N, p.n0);
+      }
+  });
+  return ffi::Error::Success();
+}
+
 // y[m, n] for n in [n0, n1), m in [m0, m0 + MR): NR w rows at a time.
 template <int MR, int NR>
 void tile_nt(const float* __restrict x, const float* __restrict w, float* __restrict y,
@@ -365,6 +447,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmul, xlaserve::Matmul,
                                   .Arg<xlaserve::S32_0>()  // layer
                                   .RemainingArgs()                  // w_j
                                   .RemainingRets());                // y_j
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPacked, xlaserve::MatmulPacked,
+                              ffi::Ffi::Bind()
+                                  .Arg<xlaserve::F32_2>()  // x
+                                  .Arg<xlaserve::S32_0>()  // layer
+                                  .RemainingArgs()         // p_j
+                                  .RemainingRets());       // y_j
+
+extern "C" int64_t xlaserve_matmul_tile_n() { return xlaserve::tile_n(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulNt, xlaserve::MatmulNt,
                               ffi::Ffi::Bind()
