@@ -367,7 +367,9 @@ ffi::Error MatmulPacked(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> lay
   }
   const float* xp = x.typed_data();
   const int64_t count = static_cast<int64_t>(panels.size());
-  const int64_t items = std::min<int64_t>(count, kItemsPerThread * num_threads());
+  // Few rows: memory-bound, so long contiguous runs a thread; more rows: finer items balance.
+  const int64_t per_thread = M <= kStreamRows ? 2 : kItemsPerThread;
+  const int64_t items = std::min<int64_t>(count, per_thread * num_threads());
   parallel_for(items, [&](int64_t item) {
     const int64_t b = count * item / items, e = count * (item + 1) / items;
     for (int64_t m0 = 0; m0 < M; m0 += kMBlock)
