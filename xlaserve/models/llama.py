@@ -173,12 +173,19 @@ _MATRIX_OF = {"wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_gate": 2, "w_up": 2, "w_dow
 
 def pack_params(params: Params) -> Params:
     """The same parameters with every layer matrix packed into panels for the CPU kernels
-    (kernels/matmul.py); one device only: the panels are not laid out for a mesh."""
+    (kernels/matmul.py), and the output head as panels too (`head`: [E, V] as one packed
+    matrix; for tied embeddings a second copy of the table, transposed, while `embed` stays for
+    the input lookup).  One device only: the panels are not laid out for a mesh."""
     layers = dict(params["layers"])
     for name, inner in _MATRIX_OF.items():
         if not isinstance(layers[name], PackedWeight):
             layers[name] = pack_weight(_as_matrix(layers[name], inner))
-    return {**params, "layers": layers}
+    out = {**params, "layers": layers}
+    if "head" not in params:
+        head = params["embed"].T if "lm_head" not in params else params["lm_head"]  # [E, V]
+        out["head"] = pack_weight(head[None])
+        out.pop("lm_head", None)
+    return out
 
 
 def decoder_layers(
@@ -278,6 +285,9 @@ def forward(
 def output_logits(params: Params, config: ModelConfig, x: jax.Array, *,
                   use_kernel: bool = False) -> jax.Array:
     """x: [M, E] (final-normed) -> logits [M, V] float32 (V / tp on a vocab shard)."""
+    if "head" in params:   # packed panels (pack_params)
+        (logits,) = layer_matmul(x, (params["head"],), jnp.int32(0), use_kernel=use_kernel)
+        return logits.astype(jnp.float32)
     if config.tie_word_embeddings:  # contract [V, E] as stored: `embed.T` would copy it
         return head_matmul(x, params["embed"], use_kernel=use_kernel)
     if use_kernel and x.dtype == jnp.float32:
