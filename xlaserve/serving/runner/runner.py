@@ -45,6 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlaserve.kernels.attention import resolve_backend
+from xlaserve.kernels.cpu import huge_pages
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import AttentionMetadata, KVCache, Params, forward, pack_params
 from xlaserve.serving.runner.buckets import BucketPlan
@@ -165,6 +166,7 @@ class ModelRunner:
         self.params = self.layout.shard_params(params, mesh)
         if self.backend == "cpu" and mesh.devices.size == 1:
             self.params = pack_params(self.params)   # weight panels for the CPU kernels
+            huge_pages.advise(self.params)
         sharded = mesh.devices.size > 1
         fwd = make_sharded_forward(config, mesh, num_microbatches=num_microbatches) \
             if sharded else forward
@@ -209,6 +211,8 @@ class ModelRunner:
 
     def _fresh_state(self) -> None:
         self.kv = self._new_kv()
+        if self.backend == "cpu":
+            huge_pages.advise(self.kv)
         self.token_slots = self._put(np.zeros(self.max_num_seqs + 1, np.int32))
 
     # -- compilation ---------------------------------------------------------------------------
