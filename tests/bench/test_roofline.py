@@ -14,3 +14,7 @@ def test_untied_input_embedding_is_read_one_row_per_step() -> None:
     assert decode_read_bytes(tied) == param_bytes(tied) == 3200 + 512
     assert param_bytes(untied) == 2 * 3200 + 512
     assert decode_read_bytes(untied) == 3200 + 512 + 8 * 4          # lm_head + one embed row
+    # The CPU kernels' packed head (a transposed copy of a tied table): the table itself is
+    # then only looked up, one row per step.
+    packed = {**tied, "head": np.zeros((1, 1, 8, 100), np.float32)}
+    assert decode_read_bytes(packed) == 3200 + 512 + 8 * 4

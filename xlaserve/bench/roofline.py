@@ -58,9 +58,10 @@ def param_bytes(params: Params) -> int:
 
 def decode_read_bytes(params: Params) -> int:
     """Parameter bytes one batch-1 decode step reads: all of them, except that an input
-    embedding table separate from the output head is read one row at a time."""
+    embedding table that is not also the output head (an untied `lm_head`, or the packed
+    `head` panels of the CPU kernels) is read one row at a time."""
     total = param_bytes(params)
-    if "lm_head" not in params:  # tied: the table is read whole, as the output head
+    if "lm_head" not in params and "head" not in params:  # tied: read whole, as the head
         return total
     embed = params["embed"]
     rows, width = embed.shape
