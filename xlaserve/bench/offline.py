@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import jax
 from xlaserve.bench.engine_system import run_engine, warm_engine
 from xlaserve.bench.metrics import SystemResult
 from xlaserve.bench.report import format_table
-from xlaserve.bench.roofline import measure_roofline
+from xlaserve.bench.roofline import measure_roofline, param_bytes
 from xlaserve.bench.static_system import StaticBatcher
 from xlaserve.bench.workload import Workload, get_workload
 from xlaserve.serving.engine import EngineConfig
@@ -108,6 +108,9 @@ def run_offline(model: LoadedModel, options: OfflineOptions,
         breakdown = _breakdown(model, config, runner, workload, options)
     memory = device_bytes(ShardLayout.create(model.config, model.mesh), config.num_kv_blocks,
                           config.block_size)
+    if runner.packed:   # one device holding the CPU kernels' panels (and a tied head's copy)
+        resident = param_bytes(runner.params)
+        memory = replace(memory, params=resident, params_total=resident)
     return {
         "workload": workload.describe(),
         "model": {"layers": model.config.num_layers, "hidden": model.config.hidden_size,

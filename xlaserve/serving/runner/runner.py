@@ -164,7 +164,8 @@ class ModelRunner:
         # Already placed parameters (checkpoints.store.load_params) stay where they are; host or
         # differently placed ones are moved to the layout's shardings once, here.
         self.params = self.layout.shard_params(params, mesh)
-        if self.backend == "cpu" and mesh.devices.size == 1:
+        self.packed = self.backend == "cpu" and mesh.devices.size == 1
+        if self.packed:
             self.params = pack_params(self.params)   # weight panels for the CPU kernels
             huge_pages.advise(self.params)
         sharded = mesh.devices.size > 1
