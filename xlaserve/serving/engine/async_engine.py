@@ -40,6 +40,9 @@ from xlaserve.serving.types import EngineEvent, GenerationRequest
 
 log = logging.getLogger(__name__)
 
+LAUNCH_LEAD_S = 0.004   # launch the next step this long before the running one should end
+POLL_S = 0.001          # how often the wait for the launch window checks the device
+
 
 @dataclass
 class _Waiter:
@@ -219,6 +222,7 @@ class AsyncEngine:
                 if self._stop:
                     self.engine.runner.close()   # multi-host: release the followers
                     return
+            self._await_launch_window()
             self._drain_inbox()
             try:
                 events = self.engine.step()
@@ -232,6 +236,20 @@ class AsyncEngine:
             self._stats = self._snapshot()
             for event in events:
                 self._deliver(event)
+
+    def _await_launch_window(self) -> None:
+        """Pipelined, the next step is scheduled while the device still runs the last one; a
+        request arriving meanwhile would wait for the step after.  So the thread waits until
+        shortly (LAUNCH_LEAD_S) before the step in flight is expected to end — or it ends, or
+        the engine stops — and only then schedules: arrivals during the step join the next
+        one, and the host's scheduling still overlaps the device's last milliseconds."""
+        until = self.engine.next_launch_at(LAUNCH_LEAD_S)
+        while until is not None:
+            left = until - time.monotonic()
+            if left <= 0 or self._stop or self.engine.in_flight_ready():
+                return
+            with self._wake:
+                self._wake.wait(min(left, POLL_S))
 
     def _recover(self, error: str) -> list[EngineEvent]:
         """After a failed step: the engine fails what was in flight.  Should that raise too,

@@ -58,6 +58,28 @@ class HostTime:
 class _Launched:
     plan: StepPlan
     call: CallResult | None = None   # None until launched (a failed launch leaves it None)
+    launched_at: float = 0.0         # time.monotonic() of the launch
+
+
+class StepClock:
+    """How long the device takes per bucket, learnt from the steps (an exponential average of
+    each step's device time: from when it could start, its launch or the previous step's
+    end, to when its tokens were ready), and when the step in flight should end."""
+
+    def __init__(self, weight: float = 0.3):
+        self.weight = weight
+        self.seconds: dict[tuple[int, int, int], float] = {}
+        self.device_free_at = 0.0   # when the last fetched step ended
+
+    def record(self, bucket: tuple[int, int, int], launched_at: float, done_at: float) -> None:
+        took = done_at - max(launched_at, self.device_free_at)
+        old = self.seconds.get(bucket)
+        self.seconds[bucket] = took if old is None else old + self.weight * (took - old)
+        self.device_free_at = done_at
+
+    def expected_end(self, bucket: tuple[int, int, int], launched_at: float) -> float | None:
+        took = self.seconds.get(bucket)
+        return None if took is None else max(launched_at, self.device_free_at) + took
 
 
 class LLMEngine:
@@ -90,6 +112,7 @@ class LLMEngine:
         self._ready: list[EngineEvent] = []   # made, not yet returned by step()
         self.num_steps = 0
         self.host_time = HostTime()
+        self.clock = StepClock()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -137,7 +160,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         self.host_time.schedule += t1 - t0
         if not plan.is_empty:
-            launched = _Launched(plan)
+            launched = _Launched(plan, launched_at=time.monotonic())
             self._in_flight.append(launched)  # before launching: a failure must see it
             self._launch(launched)
             self.num_steps += 1
@@ -148,6 +171,24 @@ class LLMEngine:
             self._process_oldest()
         events, self._ready = self._ready, []
         return events
+
+    def next_launch_at(self, lead_s: float) -> float | None:
+        """When to schedule the next step so that it is launched `lead_s` before the step in
+        flight ends (time.monotonic()), or None to schedule now: nothing in flight, not
+        pipelined, a step already done, or no timing yet for its bucket.  Scheduling late
+        lets requests that arrive while the device works join the next step instead of the
+        one after it (one step less of time to first token)."""
+        if not self.config.pipelined or not self._in_flight:
+            return None
+        last = self._in_flight[-1]
+        if last.call is None or last.call.ready():
+            return None
+        end = self.clock.expected_end(last.call.bucket, last.launched_at)
+        return None if end is None else end - lead_s
+
+    def in_flight_ready(self) -> bool:
+        """Has the device finished every step in flight?"""
+        return all(x.call is None or x.call.ready() for x in self._in_flight)
 
     def run_until_done(self) -> Iterator[EngineEvent]:
         while self.has_work():
@@ -188,7 +229,12 @@ class LLMEngine:
         logprobs: dict[str, TokenLogprob] = {}
         t0 = time.perf_counter()
         if launched.call is not None:
+            waited = not launched.call.ready()
             host = launched.call.fetch()
+            if waited:   # the device was busy until now: a measure of its time
+                self.clock.record(launched.call.bucket, launched.launched_at, time.monotonic())
+            else:
+                self.clock.device_free_at = max(self.clock.device_free_at, launched.launched_at)
         t1 = time.perf_counter()
         self.host_time.wait += t1 - t0
         if launched.call is not None:

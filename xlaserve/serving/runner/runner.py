@@ -108,6 +108,13 @@ class CallResult:
 
     rows: int
     out: SampleOutput
+    bucket: tuple[int, int, int] = (0, 0, 0)
+
+    def ready(self) -> bool:
+        """Has the device finished the call (fetch would not block)?  A deleted result (lost
+        on device) counts as ready: fetch raises at once (and is_ready() on it would crash)."""
+        tokens = self.out.tokens
+        return tokens.is_deleted() or tokens.is_ready()
 
     def fetch(self) -> dict[str, np.ndarray]:
         host = jax.device_get(self.out)   # replicated: every process can read it
@@ -270,13 +277,13 @@ class ModelRunner:
             self._require_leader("run")
             self.channel.send(Op.STEP, host)
         if self.profile is None:
-            return CallResult(len(rows), self._execute(host))
+            return CallResult(len(rows), self._execute(host), host.shape)
         start = time.perf_counter()
         out = self._execute(host)
         jax.block_until_ready(out.tokens)      # serialises the pipeline: diagnostics only
         self.profile.record(host.shape, time.perf_counter() - start,
                             int((host.token_rows >= 0).sum()))
-        return CallResult(len(rows), out)
+        return CallResult(len(rows), out, host.shape)
 
     def follow(self) -> int:
         """On a process other than 0 of a multi-host mesh: launch every call process 0 sends,

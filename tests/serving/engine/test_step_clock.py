@@ -1,0 +1,52 @@
+"""The engine's step clock: it learns each bucket's device time from the steps it fetches and
+says when the step in flight should end, so that AsyncEngine schedules the next step just
+before then (requests arriving meanwhile join it) rather than at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.serving.engine.conftest import new_tiny_engine, request
+from xlaserve.serving.engine.engine import StepClock
+
+BUCKET = (4, 4, 8)
+
+
+def test_clock_averages_device_time_from_when_the_device_was_free() -> None:
+    clock = StepClock(weight=0.5)
+    assert clock.expected_end(BUCKET, 10.0) is None        # nothing learnt yet
+    clock.record(BUCKET, launched_at=10.0, done_at=10.2)     # 0.2 s
+    assert clock.seconds[BUCKET] == pytest.approx(0.2)
+    # Launched while the last step still ran: its time counts from that step's end (10.2).
+    clock.record(BUCKET, launched_at=10.1, done_at=10.6)     # 0.4 s
+    assert clock.seconds[BUCKET] == pytest.approx(0.3)
+    assert clock.expected_end(BUCKET, 10.5) == pytest.approx(10.9)   # free at 10.6, + 0.3
+    assert clock.expected_end(BUCKET, 11.0) == pytest.approx(11.3)
+    assert clock.expected_end((8, 8, 8), 11.0) is None
+
+
+def test_next_launch_time_lies_within_the_step_in_flight(warm_tiny) -> None:
+    engine = new_tiny_engine(warm_tiny, pipelined=True)
+    engine.add(request("a", list(range(1000, 1020)), max_tokens=40, ignore_eos=True))
+    for _ in range(8):        # prefill, then decode steps: the decode bucket is timed
+        engine.step()
+    assert engine.clock.seconds, "no step time learnt"
+    engine.step()
+    at = engine.next_launch_at(0.0)
+    if at is not None:        # None if the tiny step ended already
+        last = engine._in_flight[-1]
+        took = engine.clock.seconds[last.call.bucket]
+        assert last.launched_at < at + 1e-9 <= max(last.launched_at,
+                                                  engine.clock.device_free_at) + took + 1e-9
+    while engine.has_work():
+        engine.step()
+    assert engine.next_launch_at(0.0) is None and engine.in_flight_ready()
+    engine.scheduler.check_integrity()
+
+
+def test_not_pipelined_schedules_at_once(warm_tiny) -> None:
+    engine = new_tiny_engine(warm_tiny, pipelined=False)
+    engine.add(request("a", list(range(1000, 1020)), max_tokens=4, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+        assert engine.next_launch_at(0.0) is None
