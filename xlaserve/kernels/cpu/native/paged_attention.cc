@@ -49,7 +49,7 @@ namespace {
 
 constexpr int kQueryTile = 8;
 constexpr int kMaxBlockSize = 256;
-constexpr int64_t kItemsPerThread = 4;
+constexpr int64_t kItemsPerThread = 2;
 constexpr int64_t kMinChunkBlocks = 4;
 constexpr int64_t kStageBlocks = 2;   // blocks read ahead of the compute at once (8 x 24 KB)
 
