@@ -1,6 +1,7 @@
 """Weight matmuls of the decoder: activations times one layer of a stacked weight, read in place.
 
     layer_matmul(x [M, K], (w_1 [L, K, N_1], ...), layer) -> (x @ w_1[layer], ...)
+    gated_matmul(gate [M, F], up [M, F], w [L, F, N], layer) -> (silu(gate) * up) @ w[layer]
     head_matmul(x [M, E], table [V, E])                  -> x @ table.T  (tied output head)
 
 Three faces per op: the native CPU kernel (`kernels/cpu/native/matmul.cc`, through XLA's FFI),
@@ -86,6 +87,13 @@ def layer_matmul_reference(x: jax.Array, weights: Sequence[jax.Array | PackedWei
     return tuple(x @ (w[layer] if w.ndim == 3 else w) for w in ws)
 
 
+def gated_matmul_reference(gate: jax.Array, up: jax.Array, w: jax.Array | PackedWeight,
+                           layer: jax.Array) -> jax.Array:
+    """(silu(gate) * up) @ w[layer]: gate, up [M, F], w [L, F, N] -> [M, N]."""
+    (y,) = layer_matmul_reference(jax.nn.silu(gate) * up, (w,), layer)
+    return y
+
+
 def head_matmul_reference(x: jax.Array, table: jax.Array) -> jax.Array:
     """x [M, E] @ table [V, E]^T -> [M, V] float32 (contracted as stored: `table.T` copies)."""
     return jnp.einsum("me,ve->mv", x, table, preferred_element_type=jnp.float32)
@@ -131,6 +139,23 @@ def layer_matmul(x: jax.Array, weights: Sequence[jax.Array | PackedWeight], laye
     if any(packed):
         raise ValueError("layer_matmul: packed and unpacked weights in one call")
     return tuple(jax.ffi.ffi_call("xlaserve_matmul", out)(x, layer, *weights))
+
+
+def gated_matmul(gate: jax.Array, up: jax.Array, w: jax.Array | PackedWeight,
+                 layer: jax.Array, *, use_kernel: bool = True) -> jax.Array:
+    """The MLP's down projection, (silu(gate) * up) @ w[layer]: gate, up [M, F], w [L, F, N]
+    (or packed) -> [M, N].  On packed weights the kernel makes the activations itself, on
+    every core (XLA's fused silu runs on one); otherwise silu * up, then layer_matmul."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gated_matmul: gate {gate.shape} {gate.dtype} and up {up.shape} "
+                         f"{up.dtype} must match")
+    if not (isinstance(w, PackedWeight) and uses_kernel(gate, use_kernel)):
+        (y,) = layer_matmul(jax.nn.silu(gate) * up, (w,), layer, use_kernel=use_kernel)
+        return y
+    check_layer_matmul(gate, (w,))
+    out = jax.ShapeDtypeStruct((gate.shape[0], w.shape[-1]), jnp.float32)
+    layer = jnp.asarray(layer, jnp.int32).reshape(())
+    return jax.ffi.ffi_call("xlaserve_matmul_packed_gated", out)(gate, up, layer, w.panels)
 
 
 def head_matmul(x: jax.Array, table: jax.Array, *, use_kernel: bool = True) -> jax.Array:

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.kernels.attention import attention
-from xlaserve.kernels.matmul import PackedWeight, head_matmul, layer_matmul, pack_weight
+from xlaserve.kernels.matmul import (PackedWeight, gated_matmul, head_matmul, layer_matmul,
+                                     pack_weight)
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.rope import apply_rope, inverse_frequencies
 
@@ -239,8 +240,7 @@ def decoder_layers(
         x = x + reduce(o)
         h = rms_norm(x, layers["mlp_norm"][i], c.rms_norm_eps)
         gate, up = layer_matmul(h, (layers["w_gate"], layers["w_up"]), i, use_kernel=use_kernel)
-        (down,) = layer_matmul(jax.nn.silu(gate) * up, (layers["w_down"],), i,
-                               use_kernel=use_kernel)
+        down = gated_matmul(gate, up, layers["w_down"], i, use_kernel=use_kernel)
         return (x + reduce(down), k_flat, v_flat), None
 
     num_layers = layers["wq"].shape[0]

@@ -18,15 +18,17 @@
 // Scheme.  Consecutive tokens of one row are cut into query tiles of up to kQueryTile tokens.
 // A work item is a tile and a run of its key blocks (a tile's blocks are split into several
 // items when there are too few tiles to keep every thread busy, flash-decoding style; their
-// partial softmax states are merged at the end).  An item walks its blocks in order, and for
-// each block every kv head and the tile's query rows that read it (tokens x the G = H / KVH
-// query heads sharing the kv head): one block's K and V for all heads are contiguous
-// (bs x KVH x D floats), so an item streams them, prefetching the next block.  Per (block, kv
-// head) the keys are transposed once (kLanes x kLanes register transposes), so that each
-// query row's bs scores are FMAs of broadcast query elements against key vectors, with no
-// horizontal sums; then per row the visible keys' online-softmax step (running max m, sum l,
-// exp vectorised), and the V accumulation of up to kRowGroup rows at once, their acc[D] in
-// registers while each value vector is loaded once.  Out = acc / l.
+// partial softmax states are merged at the end, over the workers; a tile that is one item
+// writes its output itself).  An item walks its blocks in order, a span of about kSpanKeys
+// keys at a time, and for each span every kv head and the tile's query rows that read it
+// (tokens x the G = H / KVH query heads sharing the kv head): one block's K and V for all
+// heads are contiguous (bs x KVH x D floats), so an item streams them, reading each span's
+// blocks ahead of the compute.  Per (span, kv head) the keys are transposed once (kLanes x
+// kLanes register transposes), so that each query row's scores are FMAs of broadcast query
+// elements against key vectors, with no horizontal sums; then per row one online-softmax
+// step over the span's visible keys (running max m, sum l, exp vectorised: per 16-key block
+// it cost more than the scores), and the V accumulation of up to kRowGroup rows at once,
+// their acc[D] in registers while each value vector is loaded once.  Out = acc / l.
 // Positions beyond the table, and block ids outside [0, N), are clamped: a bad plan reads the
 // wrong keys but never memory outside the cache.
 
@@ -52,6 +54,7 @@ constexpr int kMaxBlockSize = 256;
 constexpr int64_t kItemsPerThread = 2;
 constexpr int64_t kMinChunkBlocks = 4;
 constexpr int64_t kStageBlocks = 2;   // blocks read ahead of the compute at once (8 x 24 KB)
+constexpr int64_t kSpanKeys = 64;     // keys (whole blocks) one online-softmax step covers
 
 struct Geometry {
   int64_t T, H, KVH, D, G, R, W, N, bs;
@@ -77,19 +80,21 @@ struct RowState {
   float* acc;  // [D]
 };
 
-// kt[d * bs + j] = k_j[d]: the block's keys of one kv head (k_j at kb + j * stride), transposed
-// so that one query's scores over the block come out as vectors.
-void transpose_keys(const float* kb, int64_t stride, int64_t bs, int64_t D, float* kt) {
+// kt[d * ld + j] = k_j[d] for j < bs: the block's keys of one kv head (k_j at kb + j * stride),
+// transposed so that one query's scores over the keys come out as vectors.
+void transpose_keys(const float* kb, int64_t stride, int64_t bs, int64_t D, float* kt,
+                    int64_t ld) {
   const int64_t jv = bs - bs % kLanes, dv = D - D % kLanes;
   for (int64_t j = 0; j < jv; j += kLanes)
     for (int64_t d = 0; d < dv; d += kLanes)
-      transpose_tile(kb + j * stride + d, stride, kt + d * bs + j, bs);
+      transpose_tile(kb + j * stride + d, stride, kt + d * ld + j, ld);
   for (int64_t j = 0; j < bs; ++j)
-    for (int64_t d = (j < jv ? dv : 0); d < D; ++d) kt[d * bs + j] = kb[j * stride + d];
+    for (int64_t d = (j < jv ? dv : 0); d < D; ++d) kt[d * ld + j] = kb[j * stride + d];
 }
 
-// s[r * kMaxBlockSize + j] = q_r . k_j for the block's keys and NR query rows at once (kt:
-// transpose_keys): each key vector is loaded once for all rows, four accumulator chains a row.
+// s[r * kMaxBlockSize + j] = q_r . k_j for the span's bs keys and NR query rows at once (kt:
+// transpose_keys, rows bs long): each key vector is loaded once for all rows, four accumulator
+// chains a row.
 template <int NR>
 void scores(const float* const* q, const float* kt, int64_t bs, int64_t D, float* s) {
   int64_t j = 0;
@@ -220,7 +225,9 @@ float warm(const float* k, const float* v, int64_t floats) {
 }
 
 // Attend the tile's tokens to blocks [b0, b1) of their row; states[i * H + h] is token i,
-// query head h, already initialised (and left unnormalised).
+// query head h, already initialised (and left unnormalised).  Blocks go span_blocks at a time
+// (a span of about kSpanKeys keys): one softmax step per query row and span, not per block
+// (with 16-key blocks the per-step max, sum and rescale cost more than the scores).
 template <int DV>
 void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, const float* q,
                    const float* k_cache, const float* v_cache, const int32_t* positions,
@@ -229,11 +236,13 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
   const int64_t stride = g.KVH * D;  // floats between consecutive slots of one kv head
   const int64_t max_pos = g.W * bs - 1;
   const int64_t block_floats = bs * stride;
+  const int64_t span_blocks = std::max<int64_t>(1, kSpanKeys / bs);   // span: <= kMaxBlockSize
+  const int64_t span = span_blocks * bs;
   thread_local std::vector<float> scratch;
-  scratch.resize(tile.nq * g.H * D + D * bs + 2 * kRowGroup * kMaxBlockSize);
+  scratch.resize(tile.nq * g.H * D + D * span + 2 * kRowGroup * kMaxBlockSize);
   float* qs = scratch.data();                 // [nq, H, D] scaled queries
-  float* kt = qs + tile.nq * g.H * D;         // [D, bs] one kv head's keys, transposed
-  float* s = kt + D * bs;                     // [kRowGroup, kMaxBlockSize] scores
+  float* kt = qs + tile.nq * g.H * D;         // [D, span] one kv head's keys, transposed
+  float* s = kt + D * span;                   // [kRowGroup, kMaxBlockSize] scores
   float* p = s + kRowGroup * kMaxBlockSize;   // [kRowGroup, kMaxBlockSize] their exps
   int64_t qpos[kQueryTile], qlo[kQueryTile];
   for (int64_t i = 0; i < tile.nq; ++i) {
@@ -248,18 +257,22 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
     return (g.layer * g.N + block) * block_floats;
   };
   float sink = 0.0f;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t base = block_base(b);
-    if ((b - b0) % kStageBlocks == 0)   // stage the next kStageBlocks blocks into cache
-      for (int64_t w = b; w < std::min(b + kStageBlocks, b1); ++w)
-        sink += warm(k_cache + block_base(w), v_cache + block_base(w), block_floats);
+  int64_t bases[kSpanKeys];
+  for (int64_t b = b0; b < b1; b += span_blocks) {
+    const int64_t nb = std::min(span_blocks, b1 - b), n = nb * bs;   // this span: n keys
+    for (int64_t x = 0; x < nb; ++x) {
+      bases[x] = block_base(b + x);
+      if (x % kStageBlocks == 0)   // stage the next kStageBlocks blocks into cache
+        for (int64_t w = x; w < std::min(x + kStageBlocks, nb); ++w)
+          sink += warm(k_cache + block_base(b + w), v_cache + block_base(b + w), block_floats);
+    }
     const int64_t first = b * bs;
     for (int64_t kvh = 0; kvh < g.KVH; ++kvh) {
-      const float* vb = v_cache + base + kvh * D;
-      transpose_keys(k_cache + base + kvh * D, stride, bs, D, kt);
+      for (int64_t x = 0; x < nb; ++x)
+        transpose_keys(k_cache + bases[x] + kvh * D, stride, bs, D, kt + x * bs, n);
       for (int64_t i = 0; i < tile.nq; ++i) {
         const int64_t j0 = std::max<int64_t>(0, qlo[i] - first);   // keys [j0, j1) visible
-        const int64_t j1 = std::min<int64_t>(bs, qpos[i] - first + 1);
+        const int64_t j1 = std::min<int64_t>(n, qpos[i] - first + 1);
         if (j1 <= j0) continue;
         for (int64_t h0 = kvh * g.G; h0 < (kvh + 1) * g.G; h0 += kRowGroup) {
           const int nr = static_cast<int>(std::min<int64_t>(kRowGroup, (kvh + 1) * g.G - h0));
@@ -270,11 +283,17 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
             rows[r] = &states[i * g.H + h0 + r];
             qr[r] = qs + (i * g.H + h0 + r) * D;
           }
-          kScores[nr](qr, kt, bs, D, s);
+          kScores[nr](qr, kt, n, D, s);
           for (int r = 0; r < nr; ++r)
-            c[r] = softmax_step(*rows[r], s + r * kMaxBlockSize, p + r * kMaxBlockSize, bs, j0,
+            c[r] = softmax_step(*rows[r], s + r * kMaxBlockSize, p + r * kMaxBlockSize, n, j0,
                                 j1, g.soft_cap);
-          accumulate<DV>(rows, c, nr, p + j0, vb + j0 * stride, stride, j1 - j0, D);
+          // V block by block: the span's keys [j0, j1) lie in blocks j0 / bs .. (j1 - 1) / bs.
+          for (int64_t x = j0 / bs; x * bs < j1; ++x) {
+            const int64_t lo = std::max(j0, x * bs), hi = std::min(j1, (x + 1) * bs);
+            accumulate<DV>(rows, c, nr, p + lo, v_cache + bases[x] + kvh * D + (lo - x * bs) *
+                           stride, stride, hi - lo, D);
+            for (int r = 0; r < nr; ++r) c[r] = 1.0f;   // rescaled once, by the first block
+          }
         }
       }
     }
@@ -400,13 +419,25 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
       std::fill(st[r].acc, st[r].acc + g.D, 0.0f);
     }
     attend(g, tile, item.b0, item.b1, qp, kp, vp, pos, bt, st);
+    if (first_item[item.tile + 1] - first_item[item.tile] == 1) {   // the whole tile: out
+      for (int64_t r = 0; r < tile.nq * g.H; ++r) {
+        float* dst = o + (tile.t0 * g.H + r) * g.D;
+        const float inv = st[r].l > 0.0f ? 1.0f / st[r].l : 0.0f;
+        for (int64_t d = 0; d < g.D; ++d) dst[d] = st[r].acc[d] * inv;
+      }
+      return;
+    }
     for (int64_t r = 0; r < tile.nq * g.H; ++r) {
       base[r * row_floats] = st[r].m;
       base[r * row_floats + 1] = st[r].l;
     }
   });
-  // Merge each tile's items: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
-  for (size_t i = 0; i < tiles.size(); ++i) {
+  // Merge the items of each split tile: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+  std::vector<int64_t> split;
+  for (size_t i = 0; i < tiles.size(); ++i)
+    if (first_item[i + 1] - first_item[i] > 1) split.push_back(static_cast<int64_t>(i));
+  parallel_for(static_cast<int64_t>(split.size()), [&](int64_t x) {
+    const int64_t i = split[x];
     const Tile& tile = tiles[i];
     for (int64_t r = 0; r < tile.nq * g.H; ++r) {
       float M = -std::numeric_limits<float>::infinity();
@@ -425,7 +456,7 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       for (int64_t d = 0; d < g.D; ++d) dst[d] *= inv;
     }
-  }
+  });
   return ffi::Error::Success();
 }
 

@@ -5,7 +5,7 @@
 //   AVX2+FMA  Vec =  8 floats (__m256), 16 vector registers
 //   otherwise Vec =  4 floats, plain C++ the compiler vectorises as it can (NEON, SSE)
 //
-// Only what the kernels use: unaligned load/store, broadcast, fused multiply-add, max, a
+// Only what the kernels use: unaligned load/store, broadcast, fused multiply-add, divide, max, a
 // horizontal sum and max, a kLanes x kLanes transpose, and exp (range reduction + degree-6
 // Taylor polynomial, relative error ~2e-7 over the softmax's range; inputs below -87 give 0).
 #pragma once
@@ -35,6 +35,7 @@ inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec sub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec div(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline float hsum(Vec a) { return _mm512_reduce_add_ps(a.v); }
 inline float hmax(Vec a) { return _mm512_reduce_max_ps(a.v); }
@@ -95,6 +96,7 @@ inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec sub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec div(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
 inline float hsum(Vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
@@ -154,6 +156,7 @@ inline Vec fma(Vec a, Vec b, Vec c) { XLASERVE_LANEWISE(a.v[i] * b.v[i] + c.v[i]
 inline Vec add(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] + b.v[i]); }
 inline Vec sub(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] - b.v[i]); }
 inline Vec mul(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] * b.v[i]); }
+inline Vec div(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] / b.v[i]); }
 inline Vec max(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
 inline Vec round_nearest(Vec a) { XLASERVE_LANEWISE(std::nearbyint(a.v[i])); }
 inline Vec scale_by_pow2(Vec a, Vec n) { XLASERVE_LANEWISE(std::ldexp(a.v[i], int(n.v[i]))); }
