@@ -31,6 +31,7 @@ def test_offline_tiny_all_systems(tiny_llama, tmp_path, capsys) -> None:
     assert rows == ["engine", "static(B=2)", "hf(B=2)"]
     assert "decode step at batch 1" in stdout and "bandwidth floor" in stdout
     assert "per device: params" in stdout
+    assert "engine host time per step (ms; wait = blocked on the device): schedule" in stdout
 
     report = json.loads(out.read_text())
     workload = get_workload("tiny").build(Tokenizer.load(ours), seed=0)
@@ -47,6 +48,8 @@ def test_offline_tiny_all_systems(tiny_llama, tmp_path, capsys) -> None:
         assert {rid: r["num_tokens"] for rid, r in per_request.items()} == expected
         assert all(len(r["token_ids"]) == r["num_tokens"] for r in per_request.values())
     engine, static, hf = report["systems"]
+    host = engine["host_ms_per_step"]
+    assert set(host) == {"schedule", "launch", "process", "wait"} and host["launch"] > 0
     assert engine["compiles_after_warmup"] == 0 and static["compiles_after_warmup"] == 0
     assert hf["compiles_after_warmup"] is None
     # Static rows wait for their batch's longest request; the engine frees them at once.

@@ -8,10 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.kernels.kernel_cases import rel_error
 
-from xlaserve.kernels.matmul import (head_matmul, head_matmul_reference, layer_matmul,
-                                     layer_matmul_reference, uses_kernel)
+from tests.kernels.kernel_cases import rel_error
+from xlaserve.kernels.matmul import (
+    head_matmul,
+    head_matmul_reference,
+    layer_matmul,
+    layer_matmul_reference,
+    uses_kernel,
+)
 
 
 def test_the_kernel_is_built_and_used_on_cpu():
@@ -107,5 +112,30 @@ def test_gated_matmul_matches_reference(m, f, n):
         assert rel_error(got, want) < 1e-5
         unpacked = jax.jit(lambda g, u, w: gated_matmul(g, u, w, jnp.int32(layer)))(gate, up, w)
         assert rel_error(unpacked, want) < 1e-5
+        res = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+        for weight in (packed, w):
+            added = jax.jit(lambda g, u, p, r: gated_matmul(g, u, p, jnp.int32(layer),
+                                                            residual=r))(gate, up, weight, res)
+            assert rel_error(added, res + want) < 1e-5
     with pytest.raises(ValueError, match=r"gate \(1, 4\) float32 and up \(1, 5\)"):
         gated_matmul(jnp.zeros((1, 4)), jnp.zeros((1, 5)), packed, jnp.int32(0))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 576), (5, 64, 200), (70, 96, 48)])
+def test_residual_goes_into_the_matmul(m, k, n):
+    """layer_matmul(..., residual=r) = r + x @ w, packed (one kernel pass) and not."""
+    from xlaserve.kernels.matmul import pack_weight
+
+    rng = np.random.default_rng(m + n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, k, n)), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+    want = r + layer_matmul_reference(x, (w,), 1)[0]
+    for weight in (pack_weight(w), w):
+        (got,) = jax.jit(lambda x, p, r: layer_matmul(x, (p,), jnp.int32(1), residual=r))(
+            x, weight, r)
+        assert rel_error(got, want) < 1e-5
+    with pytest.raises(ValueError, match="a residual goes with one weight, got 2"):
+        layer_matmul(x, (w, w), jnp.int32(0), residual=r)
+    with pytest.raises(ValueError, match=rf"residual must be \({m}, {n}\) float32"):
+        layer_matmul(x, (w,), jnp.int32(0), residual=r[:, :1])

@@ -38,9 +38,10 @@ def test_the_step_calls_the_native_kernels(hlo_by_bucket) -> None:
     for shape, hlo in hlo_by_bucket.items():
         targets = re.findall(r'custom_call_target="(\w+)"', hlo)
         assert targets.count("xlaserve_paged_attention") == 1, shape   # inside the layer loop
-        # qkv, o, gate+up and the output head on packed weight panels; down with its silu
-        # gate folded in
-        assert targets.count("xlaserve_matmul_packed") == 4, shape
+        # qkv, gate+up and the output head on packed weight panels; o adding the residual;
+        # down with its silu gate folded in, adding the residual too
+        assert targets.count("xlaserve_matmul_packed") == 3, shape
+        assert targets.count("xlaserve_matmul_packed_add") == 1, shape
         assert targets.count("xlaserve_matmul_packed_gated") == 1, shape
 
 

@@ -74,4 +74,5 @@ def run_engine(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
     return SystemResult("engine", wall, outcomes, meter.waste, meter.peak_allocated,
                         compiles.count, warmup_s,
                         {"steps": engine.num_steps, "preemptions": stats.num_preemptions,
-                         "prefix_hit_tokens": stats.prefix_cache.hit_tokens})
+                         "prefix_hit_tokens": stats.prefix_cache.hit_tokens,
+                         "host_ms_per_step": engine.host_time.per_step_ms()})

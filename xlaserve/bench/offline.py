@@ -168,6 +168,11 @@ def describe(report: dict[str, Any]) -> str:
 
         d = {k: v for k, v in report["decode_batch1"].items() if k != "ratio"}
         lines.append(Roofline(**d).describe())
+    for s in report["systems"]:
+        if "host_ms_per_step" in s:
+            host = ", ".join(f"{k} {v:.2f}" for k, v in s["host_ms_per_step"].items())
+            lines.append(f"{s['system']} host time per step (ms; wait = blocked on the "
+                         f"device): {host} over {s['steps']} steps")
     lines.append(f"engine layout {report['memory']['describe']}")
     for system, b in report.get("breakdown", {}).items():
         lines += ["", f"breakdown of {system} (every call waited for):",

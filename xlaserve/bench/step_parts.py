@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.kernels.attention import attention
-from xlaserve.kernels.matmul import layer_matmul
+from xlaserve.kernels.matmul import gated_matmul, layer_matmul
 from xlaserve.models.llama import (AttentionMetadata, _as_matrix,
                                    attention_backend_uses_kernels, output_logits, rms_norm)
 from xlaserve.serving.runner.runner import ModelRunner, RowInput
@@ -56,11 +56,10 @@ def part_times(runner: ModelRunner, rows: Sequence[RowInput], repeats: int) -> d
 
         def body(x: jax.Array, i: jax.Array) -> tuple[jax.Array, None]:
             q, k, v = layer_matmul(x, (wq, wk, wv), i, use_kernel=use_kernel)
-            (o,) = layer_matmul(q, (wo,), i, use_kernel=use_kernel)
-            g, u = layer_matmul(x + o, (layers["w_gate"], layers["w_up"]), i,
-                                use_kernel=use_kernel)
-            (d,) = layer_matmul(g * u, (layers["w_down"],), i, use_kernel=use_kernel)
-            return x + d + 0 * (k[:, :1] + v[:, :1]), None
+            (x,) = layer_matmul(q, (wo,), i, use_kernel=use_kernel, residual=x)
+            g, u = layer_matmul(x, (layers["w_gate"], layers["w_up"]), i, use_kernel=use_kernel)
+            x = gated_matmul(g, u, layers["w_down"], i, use_kernel=use_kernel, residual=x)
+            return x + 0 * (k[:, :1] + v[:, :1]), None
 
         return jax.lax.scan(body, x, jnp.arange(c.num_layers, dtype=jnp.int32))[0]
 

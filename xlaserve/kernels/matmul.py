@@ -55,8 +55,8 @@ class PackedWeight:
 
     def unpacked(self) -> jax.Array:
         """The [L, K, N] weight again (a copy: for the jnp path and tests)."""
-        l, t, k, tn = self.panels.shape
-        return self.panels.transpose(0, 2, 1, 3).reshape(l, k, t * tn)[:, :, :self.n]
+        layers, t, k, tn = self.panels.shape
+        return self.panels.transpose(0, 2, 1, 3).reshape(layers, k, t * tn)[:, :, :self.n]
 
     def tree_flatten(self) -> tuple[tuple[jax.Array], int]:
         return (self.panels,), self.n
@@ -69,13 +69,13 @@ class PackedWeight:
 def pack_weight(w: jax.Array) -> PackedWeight:
     """w [L, K, N] (float32) -> its panels for the CPU kernel (a jitted copy, once at load)."""
     tn = build.matmul_tile_n()
-    l, k, n = w.shape
+    layers, k, n = w.shape
     t = -(-n // tn)
 
     @jax.jit
     def pack(w: jax.Array) -> jax.Array:
         padded = jnp.pad(w, ((0, 0), (0, 0), (0, t * tn - n)))
-        return padded.reshape(l, k, t, tn).transpose(0, 2, 1, 3)
+        return padded.reshape(layers, k, t, tn).transpose(0, 2, 1, 3)
 
     return PackedWeight(pack(w), n)
 
@@ -122,12 +122,34 @@ def uses_kernel(x: jax.Array, use_kernel: bool) -> bool:
             and build.load() is not None)
 
 
+def _check_residual(name: str, residual: jax.Array | None, shape: tuple[int, int],
+                    dtype: Any) -> None:
+    if residual is not None and (residual.shape != shape or residual.dtype != dtype):
+        raise ValueError(f"{name}: residual must be {shape} {dtype} like the output, got "
+                         f"{residual.shape} {residual.dtype}")
+
+
 def layer_matmul(x: jax.Array, weights: Sequence[jax.Array | PackedWeight], layer: jax.Array,
-                 *, use_kernel: bool = True) -> tuple[jax.Array, ...]:
+                 *, use_kernel: bool = True,
+                 residual: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """(x @ w[layer] for w in weights): x [M, K], each w [L, K, N_i] (or packed) -> tuple of
-    [M, N_i].  Packed weights go all together (one call) or not at all."""
+    [M, N_i].  Packed weights go all together (one call) or not at all.  With `residual`
+    [M, N] (one weight only): (residual + x @ w[layer],), in the same pass on packed panels."""
     weights = tuple(weights)
     check_layer_matmul(x, weights)
+    if residual is not None:
+        if len(weights) != 1:
+            raise ValueError(f"layer_matmul: a residual goes with one weight, got "
+                             f"{len(weights)}")
+        _check_residual("layer_matmul", residual, (x.shape[0], weights[0].shape[-1]), x.dtype)
+        w = weights[0]
+        if isinstance(w, PackedWeight) and uses_kernel(x, use_kernel):
+            out = jax.ShapeDtypeStruct(residual.shape, jnp.float32)
+            layer = jnp.asarray(layer, jnp.int32).reshape(())
+            return (jax.ffi.ffi_call("xlaserve_matmul_packed_add", out)(
+                x, layer, residual, w.panels),)
+        (y,) = layer_matmul(x, weights, layer, use_kernel=use_kernel)
+        return (residual + y,)
     packed = [isinstance(w, PackedWeight) for w in weights]
     if not uses_kernel(x, use_kernel):
         return layer_matmul_reference(x, weights, layer)
@@ -142,20 +164,26 @@ def layer_matmul(x: jax.Array, weights: Sequence[jax.Array | PackedWeight], laye
 
 
 def gated_matmul(gate: jax.Array, up: jax.Array, w: jax.Array | PackedWeight,
-                 layer: jax.Array, *, use_kernel: bool = True) -> jax.Array:
-    """The MLP's down projection, (silu(gate) * up) @ w[layer]: gate, up [M, F], w [L, F, N]
-    (or packed) -> [M, N].  On packed weights the kernel makes the activations itself, on
-    every core (XLA's fused silu runs on one); otherwise silu * up, then layer_matmul."""
+                 layer: jax.Array, *, use_kernel: bool = True,
+                 residual: jax.Array | None = None) -> jax.Array:
+    """The MLP's down projection, [residual +] (silu(gate) * up) @ w[layer]: gate, up [M, F],
+    w [L, F, N] (or packed), residual [M, N] -> [M, N].  On packed weights the kernel makes
+    the activations itself, on every core (XLA's fused silu runs on one), and adds the
+    residual as it writes; otherwise silu * up, then layer_matmul."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gated_matmul: gate {gate.shape} {gate.dtype} and up {up.shape} "
                          f"{up.dtype} must match")
     if not (isinstance(w, PackedWeight) and uses_kernel(gate, use_kernel)):
-        (y,) = layer_matmul(jax.nn.silu(gate) * up, (w,), layer, use_kernel=use_kernel)
+        (y,) = layer_matmul(jax.nn.silu(gate) * up, (w,), layer, use_kernel=use_kernel,
+                            residual=residual)
         return y
     check_layer_matmul(gate, (w,))
+    _check_residual("gated_matmul", residual, (gate.shape[0], w.shape[-1]), gate.dtype)
     out = jax.ShapeDtypeStruct((gate.shape[0], w.shape[-1]), jnp.float32)
     layer = jnp.asarray(layer, jnp.int32).reshape(())
-    return jax.ffi.ffi_call("xlaserve_matmul_packed_gated", out)(gate, up, layer, w.panels)
+    extra = () if residual is None else (residual,)
+    return jax.ffi.ffi_call("xlaserve_matmul_packed_gated", out)(gate, up, layer, w.panels,
+                                                                 *extra)
 
 
 def head_matmul(x: jax.Array, table: jax.Array, *, use_kernel: bool = True) -> jax.Array:

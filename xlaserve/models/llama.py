@@ -29,8 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.kernels.attention import attention
-from xlaserve.kernels.matmul import (PackedWeight, gated_matmul, head_matmul, layer_matmul,
-                                     pack_weight)
+from xlaserve.kernels.matmul import (
+    PackedWeight,
+    gated_matmul,
+    head_matmul,
+    layer_matmul,
+    pack_weight,
+)
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.rope import apply_rope, inverse_frequencies
 
@@ -201,15 +206,16 @@ def decoder_layers(
     *,
     attention_backend: str = "auto",
     attend: Callable[..., jax.Array] = attention,
-    reduce: Callable[[jax.Array], jax.Array] = lambda y: y,
+    reduce: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:   # x [T, E], k_flat, v_flat
     """Every layer of `layers` in order, pre-norm: x += attn(norm(x)); x += mlp(norm(x)).
 
     The weights are closed over, not scanned: each layer's matmuls get the stack and the layer
     index (kernels/matmul.py reads the slice in place; the jnp path slices it).  Under tensor
     parallelism (sharding/parallel_forward.py) `layers` holds one shard's heads and mlp slice,
-    so the outputs of `wo` and `w_down` are partial sums that `reduce` adds up over the shards,
-    and `attend` may stand in for `attention` with the same signature.  KV writes to slots
+    so the outputs of `wo` and `w_down` are partial sums that `reduce` adds up over the shards
+    (None, one device: the residual adds go into those matmuls), and `attend` may stand in for
+    `attention` with the same signature.  KV writes to slots
     outside the cache are dropped (pipeline bubbles rely on it)."""
     c = config
     t = x.shape[0]
@@ -236,12 +242,19 @@ def decoder_layers(
                       num_blocks=geometry.num_blocks, block_size=geometry.block_size,
                       scale=d ** -0.5, sliding_window=c.sliding_window,
                       backend=attention_backend)                          # [T, H, D]
-        (o,) = layer_matmul(attn.reshape(t, heads * d), (wo,), i, use_kernel=use_kernel)
-        x = x + reduce(o)
+        if reduce is None:   # one device: the residual add inside the matmul
+            (x,) = layer_matmul(attn.reshape(t, heads * d), (wo,), i, use_kernel=use_kernel,
+                                residual=x)
+        else:
+            (o,) = layer_matmul(attn.reshape(t, heads * d), (wo,), i, use_kernel=use_kernel)
+            x = x + reduce(o)
         h = rms_norm(x, layers["mlp_norm"][i], c.rms_norm_eps)
         gate, up = layer_matmul(h, (layers["w_gate"], layers["w_up"]), i, use_kernel=use_kernel)
-        down = gated_matmul(gate, up, layers["w_down"], i, use_kernel=use_kernel)
-        return (x + reduce(down), k_flat, v_flat), None
+        if reduce is None:
+            x = gated_matmul(gate, up, layers["w_down"], i, use_kernel=use_kernel, residual=x)
+        else:
+            x = x + reduce(gated_matmul(gate, up, layers["w_down"], i, use_kernel=use_kernel))
+        return (x, k_flat, v_flat), None
 
     num_layers = layers["wq"].shape[0]
     (x, k_flat, v_flat), _ = jax.lax.scan(layer_step, (x, k_flat, v_flat),

@@ -42,6 +42,7 @@ HANDLERS = {
     "xlaserve_matmul": "XlaserveMatmul",
     "xlaserve_matmul_packed": "XlaserveMatmulPacked",
     "xlaserve_matmul_packed_gated": "XlaserveMatmulPackedGated",
+    "xlaserve_matmul_packed_add": "XlaserveMatmulPackedAdd",
     "xlaserve_matmul_nt": "XlaserveMatmulNt",
     "xlaserve_paged_attention": "XlaservePagedAttention",
     "xlaserve_top_k": "XlaserveTopK",

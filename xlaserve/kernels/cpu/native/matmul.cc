@@ -63,9 +63,10 @@ constexpr int64_t kPackRows = 64;    // from this many rows, weight panels are p
 constexpr int64_t kMBlock = 64;      // rows of x run over the packed panels at a time
 
 // y[0:MR, 0:NV*kLanes] = x[0:MR, :] @ w[:, 0:NV*kLanes]; x rows ldx apart, w rows ldw apart.
+// With `res` (rows ldy apart, as y), y = res + x @ w.
 template <int MR, int NV, int PF = kPrefetchRows>
 void tile_nn(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw,
-             float* __restrict y, int64_t ldy, int64_t K) {
+             float* __restrict y, int64_t ldy, int64_t K, const float* __restrict res = nullptr) {
   Vec acc[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -85,6 +86,14 @@ void tile_nn(const float* __restrict x, int64_t ldx, const float* __restrict w, 
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) acc[i][j] = fma(s, wv[j], acc[i][j]);
     }
+  }
+  if (res != nullptr) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j)
+        store(y + i * ldy + j * kLanes, add(acc[i][j], load(res + i * ldy + j * kLanes)));
+    return;
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -309,8 +318,11 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32, 2> x,
 //
 //   xlaserve_matmul_packed   x [M, K] f32, layer [] i32, p_j [L, T_j, K, kTileN] f32
 //                            -> y_j [M, N_j] = x @ w_j[layer], T_j = ceil(N_j / kTileN)
+//   xlaserve_matmul_packed_add    x [M, K], layer, residual [M, N], p [L, T, K, kTileN]
+//                            -> y [M, N] = residual + x @ w[layer]      (o: the residual update)
 //   xlaserve_matmul_packed_gated  gate [M, F], up [M, F] f32, layer [] i32, p [L, T, F, kTileN]
-//                            -> y [M, N] = (silu(gate) * up) @ w[layer]   (the MLP's down)
+//                            [, residual [M, N]]
+//                            -> y [M, N] = [residual +] (silu(gate) * up) @ w[layer]  (down)
 //
 // The same weights stored as column panels (kernels/matmul.py packs them once at load):
 // p[l, t, k, c] = w[l, k, t * kTileN + c], zero past N.  A panel is one contiguous run of
@@ -320,21 +332,25 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32, 2> x,
 
 int64_t tile_n() { return kTileN; }
 
-// y[0:rows, n0:n0 + width) from one panel; width < kTileN for a weight's last tile.
+// y[0:rows, n0:n0 + width) from one panel (plus res[...] when res is given: [rows, N] as y);
+// width < kTileN for a weight's last tile.
 void panel_rows(const float* x, int64_t rows, int64_t K, const float* panel, float* y,
-                int64_t N, int64_t n0) {
+                int64_t N, int64_t n0, const float* res) {
   const int64_t width = std::min<int64_t>(kTileN, N - n0);
   float tmp[kMaxRows * kTileN];
   auto run = [&](auto mr, int64_t m) {
     constexpr int MR = decltype(mr)::value;
     if (width == kTileN) {
       tile_nn<MR, kTileVecs, packed_prefetch_rows(MR)>(x + m * K, K, panel, kTileN,
-                                                       y + m * N + n0, N, K);
+                                                       y + m * N + n0, N, K,
+                                                       res ? res + m * N + n0 : nullptr);
     } else {
       tile_nn<MR, kTileVecs, packed_prefetch_rows(MR)>(x + m * K, K, panel, kTileN, tmp,
                                                        kTileN, K);
       for (int i = 0; i < MR; ++i)
-        std::copy(tmp + i * kTileN, tmp + i * kTileN + width, y + (m + i) * N + n0);
+        for (int64_t c = 0; c < width; ++c)
+          y[(m + i) * N + n0 + c] = tmp[i * kTileN + c] +
+                                    (res ? res[(m + i) * N + n0 + c] : 0.0f);
     }
   };
   int64_t m = 0;
@@ -345,20 +361,23 @@ void panel_rows(const float* x, int64_t rows, int64_t K, const float* panel, flo
 }
 
 struct Panel {
-  const float* p;  // [K, kTileN]
-  float* y;        // [M, N]
+  const float* p;    // [K, kTileN]
+  float* y;          // [M, N]
   int64_t N, n0;
+  const float* res;  // [M, N] added to y, or nullptr
 };
 
 // The panels of layer l of one packed weight wd = [L, T, K, kTileN] writing y [M, N]; an
 // error message if the shapes do not fit.
 const char* add_panels(const float* w, ffi::Span<const int64_t> wd, float* y, int64_t M,
-                       int64_t N, int64_t ym, int64_t K, int32_t l, std::vector<Panel>& out) {
+                       int64_t N, int64_t ym, int64_t K, int32_t l, std::vector<Panel>& out,
+                       const float* res = nullptr) {
   if (wd[2] != K || wd[3] != kTileN || wd[1] != (N + kTileN - 1) / kTileN || ym != M)
     return "panels must be [L, ceil(N / tile_n), K, tile_n] for x [M, K] and y [M, N]";
   if (l < 0 || l >= wd[0]) return "layer out of range";
   const float* base = w + static_cast<int64_t>(l) * wd[1] * K * kTileN;
-  for (int64_t t = 0; t < wd[1]; ++t) out.push_back({base + t * K * kTileN, y, N, t * kTileN});
+  for (int64_t t = 0; t < wd[1]; ++t)
+    out.push_back({base + t * K * kTileN, y, N, t * kTileN, res});
   return nullptr;
 }
 
@@ -374,7 +393,7 @@ void run_panels(const float* xp, int64_t M, int64_t K, const std::vector<Panel>&
       for (int64_t i = b; i < e; ++i) {
         const Panel& p = panels[i];
         panel_rows(xp + m0 * K, std::min<int64_t>(kMBlock, M - m0), K, p.p, p.y + m0 * p.N,
-                   p.N, p.n0);
+                   p.N, p.n0, p.res ? p.res + m0 * p.N : nullptr);
       }
   });
 }
@@ -402,6 +421,25 @@ ffi::Error MatmulPacked(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> lay
   return ffi::Error::Success();
 }
 
+// y = residual + x @ w[layer] (the residual stream's update by o or down, in one pass).
+ffi::Error MatmulPackedAdd(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> layer,
+                           ffi::Buffer<ffi::F32, 2> residual, ffi::Buffer<ffi::F32, 4> w,
+                           ffi::ResultBuffer<ffi::F32, 2> y) {
+  ScopedTimer timer(Kernel::kMatmul);
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  auto yd = y->dimensions();
+  if (residual.dimensions()[0] != yd[0] || residual.dimensions()[1] != yd[1])
+    return ffi::Error::InvalidArgument("xlaserve_matmul_packed_add: residual must be [M, N] "
+                                       "as y");
+  std::vector<Panel> panels;
+  if (const char* bad = add_panels(w.typed_data(), w.dimensions(), y->typed_data(), M, yd[1],
+                                   yd[0], K, *layer.typed_data(), panels,
+                                   residual.typed_data()))
+    return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_add: ") + bad);
+  run_panels(x.typed_data(), M, K, panels);
+  return ffi::Error::Success();
+}
+
 // h[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i] for i in [0, n).
 void silu_mul(const float* g, const float* u, float* h, int64_t n) {
   int64_t i = 0;
@@ -419,16 +457,26 @@ void silu_mul(const float* g, const float* u, float* h, int64_t n) {
 // was ~17 ms of a 512-token prefill step.
 ffi::Error MatmulPackedGated(ffi::Buffer<ffi::F32, 2> gate, ffi::Buffer<ffi::F32, 2> up,
                              ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::F32, 4> w,
-                             ffi::ResultBuffer<ffi::F32, 2> y) {
+                             ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32, 2> y) {
   ScopedTimer timer(Kernel::kMatmul);
   const int64_t M = gate.dimensions()[0], F = gate.dimensions()[1];
   if (up.dimensions()[0] != M || up.dimensions()[1] != F)
     return ffi::Error::InvalidArgument("xlaserve_matmul_packed_gated: gate and up must have "
                                        "one shape [M, F]");
-  std::vector<Panel> panels;
   auto yd = y->dimensions();
+  const float* res = nullptr;   // an optional residual [M, N], added to y
+  if (rest.size() > 1)
+    return ffi::Error::InvalidArgument("xlaserve_matmul_packed_gated: one residual at most");
+  if (rest.size() == 1) {
+    auto r = rest.get<ffi::Buffer<ffi::F32, 2>>(0);
+    if (!r.has_value() || r->dimensions()[0] != yd[0] || r->dimensions()[1] != yd[1])
+      return ffi::Error::InvalidArgument("xlaserve_matmul_packed_gated: residual must be "
+                                         "[M, N] f32 as y");
+    res = r->typed_data();
+  }
+  std::vector<Panel> panels;
   if (const char* bad = add_panels(w.typed_data(), w.dimensions(), y->typed_data(), M, yd[1],
-                                   yd[0], F, *layer.typed_data(), panels))
+                                   yd[0], F, *layer.typed_data(), panels, res))
     return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_gated: ") + bad);
   thread_local std::vector<float> scratch;   // the calling thread's: workers get `h`
   scratch.resize(M * F);
@@ -528,6 +576,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedGated, xlaserve::MatmulPackedG
                                   .Arg<xlaserve::F32_2>()     // gate
                                   .Arg<xlaserve::F32_2>()     // up
                                   .Arg<xlaserve::S32_0>()     // layer
+                                  .Arg<xlaserve::F32_4>()     // p
+                                  .RemainingArgs()            // [residual]
+                                  .Ret<xlaserve::F32_2>());   // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedAdd, xlaserve::MatmulPackedAdd,
+                              ffi::Ffi::Bind()
+                                  .Arg<xlaserve::F32_2>()     // x
+                                  .Arg<xlaserve::S32_0>()     // layer
+                                  .Arg<xlaserve::F32_2>()     // residual
                                   .Arg<xlaserve::F32_4>()     // p
                                   .Ret<xlaserve::F32_2>());   // y
 
