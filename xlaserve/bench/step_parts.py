@@ -101,7 +101,7 @@ def part_times(runner: ModelRunner, rows: Sequence[RowInput], repeats: int) -> d
 
     def lay_out() -> None:
         h = runner.host_step(rows)
-        jax.block_until_ready([runner._put(a) for a in h.arrays()])
+        jax.block_until_ready(runner._put(*h.arrays()))
 
     return {
         "weights": _ms(lambda: weights(layers, x), repeats),

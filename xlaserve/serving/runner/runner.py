@@ -221,7 +221,7 @@ class ModelRunner:
         self.kv = self._new_kv()
         if self.backend == "cpu":
             huge_pages.advise(self.kv)
-        self.token_slots = self._put(np.zeros(self.max_num_seqs + 1, np.int32))
+        (self.token_slots,) = self._put(np.zeros(self.max_num_seqs + 1, np.int32))
 
     # -- compilation ---------------------------------------------------------------------------
 
@@ -379,28 +379,31 @@ class ModelRunner:
     def _execute(self, host: HostStep) -> SampleOutput:
         """Launch the compiled call for `host` (asynchronously); the runner's state advances."""
         fn = self._compiled[host.shape]
-        put = self._put
-        bias = put(host.bias) if host.bias is not None else self._zeros_bias(host.shape[0])
-        meta = AttentionMetadata(put(host.block_tables), put(host.token_rows),
-                                 put(host.slot_mapping))
-        sampling = SamplingArrays(put(host.temperature), put(host.top_k), put(host.top_p),
-                                  put(host.min_p), put(host.seed), put(host.counter), bias,
-                                  put(host.logprobs))
-        row_slot = put(host.row_slot)
-        self.kv, logits = fn(self.params, self.kv, self.token_slots, put(host.tokens),
-                             put(host.positions), meta, put(host.logits_index), row_slot)
+        (block_tables, token_rows, slot_mapping, temperature, top_k, top_p, min_p, seed, counter,
+         logprobs, row_slot, tokens, positions, logits_index, sample_mask) = self._put(
+            host.block_tables, host.token_rows, host.slot_mapping, host.temperature, host.top_k,
+            host.top_p, host.min_p, host.seed, host.counter, host.logprobs, host.row_slot,
+            host.tokens, host.positions, host.logits_index, host.sample_mask)
+        bias = self._put(host.bias)[0] if host.bias is not None else \
+            self._zeros_bias(host.shape[0])
+        meta = AttentionMetadata(block_tables, token_rows, slot_mapping)
+        sampling = SamplingArrays(temperature, top_k, top_p, min_p, seed, counter, bias, logprobs)
+        self.kv, logits = fn(self.params, self.kv, self.token_slots, tokens, positions, meta,
+                             logits_index, row_slot)
         self.token_slots, out = self._compiled_sample[host.shape[0]](
-            logits, self.token_slots, row_slot, put(host.sample_mask), sampling)
+            logits, self.token_slots, row_slot, sample_mask, sampling)
         return out
 
-    def _put(self, a: np.ndarray) -> jax.Array:
-        """A host array replicated on every device of the mesh (only this process's devices
-        are written: on a multi-host mesh every process holds the same `a`)."""
+    def _put(self, *arrays: np.ndarray) -> list[jax.Array]:
+        """Host arrays replicated on every device of the mesh, in one transfer call (only this
+        process's devices are written: on a multi-host mesh every process holds the same
+        arrays)."""
         if self.replicated.is_fully_addressable:
-            return jax.device_put(a, self.replicated)
-        return jax.make_array_from_callback(a.shape, self.replicated, lambda index: a[index])
+            return list(jax.device_put(list(arrays), self.replicated))
+        return [jax.make_array_from_callback(a.shape, self.replicated, lambda index, a=a: a[index])
+                for a in arrays]
 
     def _zeros_bias(self, r: int) -> jax.Array:
         if r not in self._zero_bias:
-            self._zero_bias[r] = self._put(np.zeros((r, self.config.vocab_size), np.float32))
+            self._zero_bias[r] = self._put(np.zeros((r, self.config.vocab_size), np.float32))[0]
         return self._zero_bias[r]
