@@ -297,8 +297,8 @@ def _resolve(future: asyncio.Future[str], value: str) -> None:
 
 def build(served: Any) -> list[AsyncEngine]:
     """The server's engine factory (`engine = "xlaserve.serving.engine.async_engine:build"`):
-    load the model folder `served.path` and wrap continuous-batching engines configured by
-    `served.engine_args` (EngineConfig fields; `mesh` is a table {pipeline, tensor, replicas}
+    load the model folder `served.path` (in `served.dtype`, else the folder's) and wrap
+    continuous-batching engines configured by `served.engine_args` (EngineConfig fields; `mesh` is a table {pipeline, tensor, replicas}
     or the path of a preset such as configs/tp2.toml).  One engine per mesh replica; each
     compiles its buckets on its own thread once started."""
     from xlaserve.serving.engine.replicas import build_engines
@@ -314,5 +314,6 @@ def build(served: Any) -> list[AsyncEngine]:
         args["mesh"] = mesh
     # On a multi-host job every process calls this with the same config: process 0 gets the
     # engine it serves with, the others the same runner, to `follow()`.
-    engines = build_engines(served.path, EngineConfig(**args), warmup=False)
+    engines = build_engines(served.path, EngineConfig(**args), dtype=served.dtype,
+                            warmup=False)
     return [AsyncEngine(e, model_name=served.name) for e in engines]

@@ -164,10 +164,14 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="model name or name@version in the config")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--dtype", help="weight dtype (float32 | bfloat16 | float16): sets the "
+                                   "model's dtype")
     args = p.parse_args(argv)
 
     async def run() -> None:
-        config = load_config(args.config)
+        from xlaserve.serving.http.server import with_model_overrides
+
+        config = with_model_overrides(load_config(args.config), dtype=args.dtype)
         matches = [m for m in config.models if args.model in (m.id, m.name)]
         if not matches:
             raise ValueError(f"--model {args.model!r} not in {[m.id for m in config.models]}")

@@ -214,6 +214,18 @@ def load_serve_config(path: str | Path) -> tuple[ServerConfig, Mapping[str, Any]
         raise ValueError(f"{path}: {e}") from None
 
 
+def with_model_overrides(config: Any, *, mesh: str | None = None,
+                         dtype: str | None = None) -> Any:
+    """`config` (a ServerConfig) with the command line's --mesh / --dtype set on every model
+    (checked as the config's own values are)."""
+    def one(m: Any) -> Any:
+        if mesh:
+            m = dataclasses.replace(m, engine_args={**m.engine_args, "mesh": mesh})
+        return dataclasses.replace(m, dtype=dtype) if dtype else m
+
+    return dataclasses.replace(config, models=tuple(one(m) for m in config.models))
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     """`xlaserve serve --config configs/smollm2.toml [--host H] [--port P]`."""
     p = argparse.ArgumentParser(prog="xlaserve serve")
@@ -222,15 +234,14 @@ def serve_main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, help="override server.port")
     p.add_argument("--mesh", help="device layout preset for every local model "
                                   "(e.g. configs/tp2.toml): sets engine_args.mesh")
+    p.add_argument("--dtype", help="weight dtype of every model (float32 | bfloat16 | float16): "
+                                   "sets models.dtype")
     args = p.parse_args(argv)
     distributed: DistributedConfig | None = None
     try:
         config, table = load_serve_config(args.config)
         distributed = DistributedConfig.resolve(table)
-        if args.mesh:
-            config = dataclasses.replace(config, models=tuple(
-                dataclasses.replace(m, engine_args={**m.engine_args, "mesh": args.mesh})
-                for m in config.models))
+        config = with_model_overrides(config, mesh=args.mesh, dtype=args.dtype)
         if args.host or args.port is not None:
             config = dataclasses.replace(config, host=args.host or config.host,
                                          port=config.port if args.port is None else args.port)

@@ -171,7 +171,10 @@ class ModelRunner:
         # Already placed parameters (checkpoints.store.load_params) stay where they are; host or
         # differently placed ones are moved to the layout's shardings once, here.
         self.params = self.layout.shard_params(params, mesh)
-        self.packed = self.backend == "cpu" and mesh.devices.size == 1
+        # Panels for the CPU kernels, which run float32 (other dtypes take the jnp path, which
+        # would unpack them at every call).
+        self.packed = (self.backend == "cpu" and mesh.devices.size == 1
+                       and jnp.dtype(config.dtype) == jnp.float32)
         if self.packed:
             self.params = pack_params(self.params)   # weight panels for the CPU kernels
             huge_pages.advise(self.params)
