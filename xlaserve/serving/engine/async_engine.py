@@ -298,9 +298,10 @@ def _resolve(future: asyncio.Future[str], value: str) -> None:
 def build(served: Any) -> list[AsyncEngine]:
     """The server's engine factory (`engine = "xlaserve.serving.engine.async_engine:build"`):
     load the model folder `served.path` (in `served.dtype`, else the folder's) and wrap
-    continuous-batching engines configured by `served.engine_args` (EngineConfig fields; `mesh` is a table {pipeline, tensor, replicas}
-    or the path of a preset such as configs/tp2.toml).  One engine per mesh replica; each
-    compiles its buckets on its own thread once started."""
+    continuous-batching engines configured by `served.engine_args` (EngineConfig fields;
+    `mesh` is a table {pipeline, tensor, replicas} or the path of a preset such as
+    configs/tp2.toml).  One engine per mesh replica; each compiles its buckets on its own
+    thread once started."""
     from xlaserve.serving.engine.replicas import build_engines
     from xlaserve.sharding.mesh import MeshConfig
 
