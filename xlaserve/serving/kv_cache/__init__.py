@@ -3,7 +3,7 @@
     scheduler --find_cached_prefix / allocate_slots / cache_blocks / free--> KVCacheManager
     KVCacheManager --block tables (lists of block ids)--> step plan --> runner (device arrays)
     KVCacheManager --allocate / share / free / cache--> BlockPool (ref counts, LRU, hash map)
-    router --prefix_block_hashes--> prefix affinity (the same hashes the cache uses)
+    KVCacheManager --prefix_block_hashes--> the cached prefix of a new prompt (block_hash.py)
 
 Plain Python, no jax: the runner owns the device KV arrays and only ever sees block ids.
 """
