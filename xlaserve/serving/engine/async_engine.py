@@ -64,7 +64,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._completed: deque[float] = deque(maxlen=256)   # finish times, for service rate
         self.last_error: str | None = None
-        self.fatal_error: str | None = None   # set once a multi-host step failed: no more work
+        self.fatal_error: str | None = None   # set once it failed for good: no more work
         self._failure_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]] = []
         self._stats = self._snapshot()
 
@@ -90,9 +90,14 @@ class AsyncEngine:
             try:
                 if warmup:
                     self.engine.runner.warmup()
+            except Exception as e:  # the engine can never serve: say so, and why
+                self._fail_for_good(e, f"warm-up failed ({type(e).__name__}: {e}); this "
+                                       f"engine never became ready")
+                return
+            try:
                 self.ready = True
                 self._loop()
-            except Exception as e:  # warm-up, or a multi-host reset/close, failed
+            except Exception as e:  # a multi-host reset/close failed
                 if not self.spans_processes:
                     raise
                 self._fail_for_good(e)
@@ -113,7 +118,9 @@ class AsyncEngine:
         return runner.follow()
 
     async def wait_failed(self) -> str:
-        """Returns (the error) once a step on a multi-host mesh has failed; never otherwise."""
+        """Returns (the error) once the engine failed for good: its warm-up failed, or a step
+        on a multi-host mesh did (a single-host step failure is recovered from); never
+        otherwise."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[str] = loop.create_future()
         with self._wake:
@@ -268,15 +275,16 @@ class AsyncEngine:
                 log.exception("abort of %r after a failed recovery failed", rid)
         return [EngineEvent(rid, finish_reason="error", error=error) for rid in rids]
 
-    def _fail_for_good(self, e: BaseException) -> None:
-        """A multi-host step failed: end every request with an explicit error, refuse new
-        ones, and tell `wait_failed()`.  No reset (it would be a broadcast to the dead peer)."""
+    def _fail_for_good(self, e: BaseException, error: str | None = None) -> None:
+        """The engine cannot go on (its warm-up failed, or a multi-host step did): end every
+        request with an explicit error, refuse new ones, and tell `wait_failed()`.  No reset
+        (on a multi-host mesh it would be a broadcast to the dead peer)."""
         import jax
 
-        n = jax.process_count()
-        error = (f"a step on the mesh over {n} processes failed: a peer process died or "
-                 f"stopped answering, or the processes fell out of step; this engine stops "
-                 f"({type(e).__name__}: {e})")
+        if error is None:
+            error = (f"a step on the mesh over {jax.process_count()} processes failed: a peer "
+                     f"process died or stopped answering, or the processes fell out of step; "
+                     f"this engine stops ({type(e).__name__}: {e})")
         log.error("process %d: %s", jax.process_index(), error, exc_info=e)
         with self._wake:
             self.fatal_error = self.last_error = error

@@ -124,6 +124,10 @@ def hypercorn_config(config: ServerConfig, port: int | None = None) -> HyperConf
     return hc
 
 
+class EngineFailure(RuntimeError):
+    """A local engine can never serve (its warm-up failed): the server stops."""
+
+
 def multihost_engine(engines: Mapping[str, Sequence[AsyncEngine]]) -> Any:
     """On a job of several processes: the one local engine, whose mesh spans them all."""
     local = [e for reps in engines.values() for e in reps if hasattr(e, "spans_processes")]
@@ -148,7 +152,8 @@ def drain_trigger(state: ServingState, shutdown: asyncio.Event) -> Callable[[], 
 
 async def serve_async(config: ServerConfig, shutdown: asyncio.Event | None = None) -> None:
     """Serve until `shutdown` is set (or SIGINT/SIGTERM).  Raises PeerFailure when an engine
-    on a multi-host mesh failed for good (after answering its requests and stopping)."""
+    on a multi-host mesh failed for good, EngineFailure when a local engine's warm-up failed
+    (after answering the requests held and stopping)."""
     engines = await build_engines(config)
     state = build_state(config, engines)
     shutdown = shutdown or asyncio.Event()
@@ -163,13 +168,17 @@ async def serve_async(config: ServerConfig, shutdown: asyncio.Event | None = Non
     async def stop_on_failure(engine: Any) -> None:
         error = await engine.wait_failed()
         failures.append(error)
-        print(f"xlaserve serve: process 0: stopping the server: {error}", file=sys.stderr,
+        where = "process 0: " if is_multiprocess() else ""
+        print(f"xlaserve serve: {where}stopping the server: {error}", file=sys.stderr,
               flush=True)
         shutdown.set()
 
     watchers = []
     if is_multiprocess():
         watchers.append(asyncio.ensure_future(stop_on_failure(multihost_engine(engines))))
+    else:   # a local engine whose warm-up failed would leave the server up, never ready
+        watchers += [asyncio.ensure_future(stop_on_failure(e)) for reps in engines.values()
+                     for e in reps if hasattr(e, "wait_failed")]
     try:
         await serve(create_app(state), hypercorn_config(config),  # type: ignore[arg-type]
                     shutdown_trigger=drain_trigger(state, shutdown))
@@ -177,7 +186,7 @@ async def serve_async(config: ServerConfig, shutdown: asyncio.Event | None = Non
         for w in watchers:
             w.cancel()
     if failures:
-        raise PeerFailure(failures[0])
+        raise (PeerFailure if is_multiprocess() else EngineFailure)(failures[0])
 
 
 def follow_main(config: ServerConfig) -> int:
@@ -253,6 +262,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     except PeerFailure as e:
         print(f"xlaserve serve: error: {e}", file=sys.stderr)
         exit_now(1)   # not jax's exit handler: it would wait for the dead peer
+    except EngineFailure as e:
+        print(f"xlaserve serve: error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError) as e:
         print(f"xlaserve serve: error: {e}", file=sys.stderr)
         if distributed is not None:
