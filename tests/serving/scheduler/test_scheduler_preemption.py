@@ -37,7 +37,10 @@ def test_preempt_latest_then_recompute_hits_own_blocks(make: Callable[..., Sched
     assert rows(p) == [("B", 4, 5, True), ("D", 0, 3, True)]
     assert p.prefills[0].block_table[0] == 3
     assert s.request_state("B").num_cached_tokens == 0   # usage counts the first admission
-    assert s.kv_cache.prefix_cache_stats.hit_tokens == 4
+    # ... but the hit rate counts prompts served from others' blocks: B finding its own block
+    # again is a readmission hit, not a prefix-cache hit (A, B and D queried once each).
+    stats = s.kv_cache.prefix_cache_stats
+    assert (stats.num_queries, stats.hit_tokens, stats.readmitted_hit_tokens) == (3, 0, 4)
     step(s)                                              # B samples its 4th token: finished
     assert s.request_state("D").status == "running" and "B" not in s
     s.abort("D")

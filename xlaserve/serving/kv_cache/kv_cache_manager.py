@@ -25,7 +25,7 @@ between steps, so a hit always reads KV written by an earlier device step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from xlaserve.serving.kv_cache.block_hash import block_hash, prefix_block_hashes
 from xlaserve.serving.kv_cache.block_pool import BlockPool
@@ -58,9 +58,10 @@ class KVCacheUsage:
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    num_queries: int = 0      # requests admitted with a lookup
+    num_queries: int = 0      # requests admitted with a lookup (first admissions only)
     queried_tokens: int = 0
     hit_tokens: int = 0
+    readmitted_hit_tokens: int = 0   # preempted requests finding their own blocks again
 
     @property
     def hit_rate(self) -> float:
@@ -141,10 +142,12 @@ class KVCacheManager:
         return out
 
     def allocate_slots(self, request_id: str, num_new_tokens: int,
-                       prefix: CachedPrefix | None = None) -> bool:
+                       prefix: CachedPrefix | None = None, *, readmitted: bool = False) -> bool:
         """Reserve slots for `num_new_tokens` more tokens. A new request must pass its
-        `prefix` (possibly empty) and starts from the hit blocks. False, with nothing changed,
-        when the pool cannot supply the blocks."""
+        `prefix` (possibly empty) and starts from the hit blocks; `readmitted` (a preempted
+        request coming back) keeps its hits out of the hit rate, which measures prompts served
+        from other requests' blocks. False, with nothing changed, when the pool cannot supply
+        the blocks."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens={num_new_tokens}: must be >= 0")
         state = self._requests.get(request_id)
@@ -175,9 +178,14 @@ class KVCacheManager:
             state = _RequestBlocks(prefix.salt, list(hit_blocks), list(prefix.block_hashes))
             self._requests[request_id] = state
             s = self._stats
-            self._stats = PrefixCacheStats(s.num_queries + 1,
-                                           s.queried_tokens + prefix.num_queried_tokens,
-                                           s.hit_tokens + prefix.num_tokens)
+            if readmitted:
+                self._stats = replace(
+                    s, readmitted_hit_tokens=s.readmitted_hit_tokens + prefix.num_tokens)
+            else:
+                self._stats = PrefixCacheStats(s.num_queries + 1,
+                                               s.queried_tokens + prefix.num_queried_tokens,
+                                               s.hit_tokens + prefix.num_tokens,
+                                               s.readmitted_hit_tokens)
         state.table.extend(self.pool.allocate(need))
         state.num_tokens = num_tokens
         return True

@@ -245,7 +245,8 @@ class Scheduler:
                 if prefix.miss_hash in in_flight:
                     continue  # a running request is computing that block: hit it later
             n = min(cfg.max_prefill_chunk, draft.budget, seq.num_tokens - prefix.num_tokens)
-            if not self.kv_cache.allocate_slots(seq.request_id, n, prefix):
+            if not self.kv_cache.allocate_slots(seq.request_id, n, prefix,
+                                                readmitted=seq.num_preemptions > 0):
                 return  # strict priority: nobody jumps a request that does not fit
             seq.num_computed_tokens = prefix.num_tokens
             if seq.num_cached_tokens is None:
