@@ -19,7 +19,7 @@ import ipaddress
 import json
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -326,6 +326,18 @@ def config_from_dict(data: Mapping[str, Any]) -> ServerConfig:
     kw["models"] = tuple(_build(ServedModel, m, f"[[models]] #{i}")
                          for i, m in enumerate(data.get("models", [])))
     return ServerConfig(**kw)
+
+
+def with_model_overrides(config: ServerConfig, *, mesh: str | None = None,
+                         dtype: str | None = None) -> ServerConfig:
+    """`config` with the command line's --mesh / --dtype set on every model (checked as the
+    config's own values are)."""
+    def one(m: ServedModel) -> ServedModel:
+        if mesh:
+            m = replace(m, engine_args={**m.engine_args, "mesh": mesh})
+        return replace(m, dtype=dtype) if dtype else m
+
+    return replace(config, models=tuple(one(m) for m in config.models))
 
 
 def load_config(path: str | Path) -> ServerConfig:

@@ -77,6 +77,15 @@ class StepClock:
         self.seconds[bucket] = took if old is None else old + self.weight * (took - old)
         self.device_free_at = done_at
 
+    def fetched(self, bucket: tuple[int, int, int], launched_at: float, waited: bool) -> None:
+        """A step's tokens were read back: had the engine to wait for them, the device was
+        busy until now, a measure of its time; otherwise it ended at some unknown point
+        since its launch (no measure)."""
+        if waited:
+            self.record(bucket, launched_at, time.monotonic())
+        else:
+            self.device_free_at = max(self.device_free_at, launched_at)
+
     def expected_end(self, bucket: tuple[int, int, int], launched_at: float) -> float | None:
         took = self.seconds.get(bucket)
         return None if took is None else max(launched_at, self.device_free_at) + took
@@ -227,17 +236,12 @@ class LLMEngine:
     def _process(self, launched: _Launched) -> None:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
-        t0 = time.perf_counter()
+        t0 = t1 = time.perf_counter()
         if launched.call is not None:
             waited = not launched.call.ready()
             host = launched.call.fetch()
-            if waited:   # the device was busy until now: a measure of its time
-                self.clock.record(launched.call.bucket, launched.launched_at, time.monotonic())
-            else:
-                self.clock.device_free_at = max(self.clock.device_free_at, launched.launched_at)
-        t1 = time.perf_counter()
-        self.host_time.wait += t1 - t0
-        if launched.call is not None:
+            self.clock.fetched(launched.call.bucket, launched.launched_at, waited)
+            t1 = time.perf_counter()
             for i, row in enumerate(launched.plan.rows):
                 if not row.sample:
                     continue
@@ -249,6 +253,7 @@ class LLMEngine:
                                 zip(host["top_ids"][i][:k], host["top_logprobs"][i][:k]))
                     logprobs[row.request_id] = TokenLogprob(int(host["tokens"][i]),
                                                             float(host["logprob"][i]), top)
+        self.host_time.wait += t1 - t0
         live = self.scheduler.update(launched.plan, sampled)
         events = self._ready   # appended as made: a later failure still returns them
         for rid, token in live.items():

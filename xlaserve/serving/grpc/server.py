@@ -157,7 +157,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     """`xlaserve worker --config C --model NAME[@VERSION] [--host H] [--port P]`: build the
     model's local engine (its `engine` factory in the config) and serve it over gRPC."""
     from xlaserve.serving.http.server import _import
-    from xlaserve.serving.server_config import load_config
+    from xlaserve.serving.server_config import load_config, with_model_overrides
 
     p = argparse.ArgumentParser(prog="xlaserve worker")
     p.add_argument("--config", required=True)
@@ -169,8 +169,6 @@ def worker_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     async def run() -> None:
-        from xlaserve.serving.http.server import with_model_overrides
-
         config = with_model_overrides(load_config(args.config), dtype=args.dtype)
         matches = [m for m in config.models if args.model in (m.id, m.name)]
         if not matches:

@@ -49,7 +49,7 @@ from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.http.app import create_app
 from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.router import ModelGroup, Replica, Router
-from xlaserve.serving.server_config import ServerConfig, config_from_dict
+from xlaserve.serving.server_config import ServerConfig, config_from_dict, with_model_overrides
 from xlaserve.sharding.distributed import (
     DistributedConfig,
     PeerFailure,
@@ -221,18 +221,6 @@ def load_serve_config(path: str | Path) -> tuple[ServerConfig, Mapping[str, Any]
         return config_from_dict(data), table
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-
-
-def with_model_overrides(config: Any, *, mesh: str | None = None,
-                         dtype: str | None = None) -> Any:
-    """`config` (a ServerConfig) with the command line's --mesh / --dtype set on every model
-    (checked as the config's own values are)."""
-    def one(m: Any) -> Any:
-        if mesh:
-            m = dataclasses.replace(m, engine_args={**m.engine_args, "mesh": mesh})
-        return dataclasses.replace(m, dtype=dtype) if dtype else m
-
-    return dataclasses.replace(config, models=tuple(one(m) for m in config.models))
 
 
 def serve_main(argv: list[str] | None = None) -> int:

@@ -108,7 +108,7 @@ class CallResult:
 
     rows: int
     out: SampleOutput
-    bucket: tuple[int, int, int] = (0, 0, 0)
+    bucket: tuple[int, int, int]   # (rows, tokens, width) of the compiled call
 
     def ready(self) -> bool:
         """Has the device finished the call (fetch would not block)?  A deleted result (lost

@@ -53,7 +53,6 @@ constexpr int kQueryTile = 16;   // 16 or 32 tokens: a 512-token prefill's atten
 constexpr int kMaxBlockSize = 256;
 constexpr int64_t kItemsPerThread = 2;
 constexpr int64_t kMinChunkBlocks = 4;
-constexpr int64_t kStageBlocks = 2;   // blocks read ahead of the compute at once (8 x 24 KB)
 constexpr int64_t kSpanKeys = 64;     // keys (whole blocks) one online-softmax step covers
 
 struct Geometry {
@@ -257,14 +256,12 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
     return (g.layer * g.N + block) * block_floats;
   };
   float sink = 0.0f;
-  int64_t bases[kSpanKeys];
+  int64_t bases[kSpanKeys];   // the span's blocks (at most kSpanKeys, of one key each)
   for (int64_t b = b0; b < b1; b += span_blocks) {
     const int64_t nb = std::min(span_blocks, b1 - b), n = nb * bs;   // this span: n keys
-    for (int64_t x = 0; x < nb; ++x) {
+    for (int64_t x = 0; x < nb; ++x) {   // read the span's blocks into cache before compute
       bases[x] = block_base(b + x);
-      if (x % kStageBlocks == 0)   // stage the next kStageBlocks blocks into cache
-        for (int64_t w = x; w < std::min(x + kStageBlocks, nb); ++w)
-          sink += warm(k_cache + block_base(b + w), v_cache + block_base(b + w), block_floats);
+      sink += warm(k_cache + bases[x], v_cache + bases[x], block_floats);
     }
     const int64_t first = b * bs;
     for (int64_t kvh = 0; kvh < g.KVH; ++kvh) {
