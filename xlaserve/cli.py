@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 
@@ -42,6 +43,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve_or_worker(command: str, argv: list[str]) -> int:
+    # the servers' start-up lines (attention backend and dtype, step costs, ...) on stderr
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("xlaserve").setLevel(logging.INFO)
     if command == "serve":
         from xlaserve.serving.http.server import serve_main
 

@@ -117,8 +117,7 @@ def test_goodput_follows_the_slo(make_server, tokenizer) -> None:
 
 def test_overloaded_server_429s_are_counted(make_server, tokenizer) -> None:
     cfg = ServerConfig(models=(ServedModel("fake", max_inflight=2, max_queue=4),),
-                       admission=AdmissionConfig(slo_wait_s={"internal": 1.0},
-                                                 initial_service_rate=2.0))
+                       admission=AdmissionConfig(slo_wait_s={"internal": 1.0}))
     srv = make_server(cfg, token_delay=0.02)
     requests, _ = text_requests("tiny", tokenizer, seed=0, num_requests=15)
     options = OnlineOptions(workload="tiny", rates=(math.inf,), slo=SLO(10.0, 10.0))

@@ -2,7 +2,7 @@
 
     front end --GenerationRequest--> engine.submit(request) --EngineEvent...--> front end
                                      engine.abort(request_id)
-                                     engine.stats() / engine.service_rate()   (admission, metrics)
+                                     engine.stats() / engine.service_costs()  (admission, metrics)
 
 Protocol (what every implementation promises):
 
@@ -16,9 +16,9 @@ Protocol (what every implementation promises):
   they stop reading a stream early (client gone, deadline, error); they may also just close
   the iterator, which an engine must treat the same way.
 - `stats()` is cheap and synchronous (read at every /metrics scrape and routing decision).
-- `service_rate()` is the engine's measured completion rate in requests per second over a
-  recent window (0.0 before anything finished).  Admission divides queue length by it (Little's
-  law) to estimate the wait of a new request.
+- `service_costs()` is what a step of the engine costs, measured (`ServiceCosts`): admission
+  projects from it how long a new request would wait (admission/projection.py).  Cheap and
+  synchronous, like stats().
 
 Optional: an engine may define `async start()` / `async stop()`; the HTTP app and the gRPC
 server call them once in their serving event loop (before the first / after the last request).
@@ -62,6 +62,20 @@ class EngineStats:
         return self.prefix_cache_hits / q if q else 0.0
 
 
+@dataclass(frozen=True)
+class ServiceCosts:
+    """What the engine's steps cost, measured on it: in warm-up, then a moving estimate over
+    the steps it serves.  Zeros: not measured (yet)."""
+
+    max_running: int = 0              # sequences one step carries at most
+    step_s: float = 0.0               # seconds per decode step of a full batch
+    prefill_tokens_per_s: float = 0.0  # prompt tokens a step prefills per second
+
+    @property
+    def measured(self) -> bool:
+        return self.max_running > 0 and self.step_s > 0 and self.prefill_tokens_per_s > 0
+
+
 @runtime_checkable
 class AsyncEngine(Protocol):
     """An engine serving one model (see the module docstring for the stream protocol)."""
@@ -87,6 +101,6 @@ class AsyncEngine(Protocol):
         """Current load and cache counters."""
         ...
 
-    def service_rate(self) -> float:
-        """Measured completions per second over a recent window (0.0 if unknown)."""
+    def service_costs(self) -> ServiceCosts:
+        """The engine's measured step costs."""
         ...

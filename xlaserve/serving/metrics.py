@@ -1,7 +1,8 @@
 """Prometheus metrics, one CollectorRegistry per app (never the global one), close to vLLM's
 core set.  Request-path metrics are observed by the front end as events pass; engine state
-(running, waiting, KV usage, prefix cache, preemptions) is read from `engine.stats()` at scrape
-time by a collector, so it is never stale and costs nothing between scrapes.
+(running, waiting, KV usage, prefix cache, preemptions) is read from `engine.stats()`, and the
+step costs admission projects from from `engine.service_costs()`, at scrape time by a
+collector, so it is never stale and costs nothing between scrapes.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from xlaserve.serving.engine_api import EngineStats
+from xlaserve.serving.engine_api import AsyncEngine
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-# One entry per engine replica: (model id, replica name, stats function, admission gauges).
-EngineSource = tuple[str, str, Callable[[], EngineStats]]
+# One entry per engine replica: (model id, replica name, engine).
+EngineSource = tuple[str, str, AsyncEngine]
 
 
 class _EngineCollector(Collector):
@@ -34,15 +35,18 @@ class _EngineCollector(Collector):
             ("kv_cache_blocks_total", "KV blocks in the pool"),
             ("kv_cache_blocks_cached", "Free KV blocks still holding a reusable prefix"),
             ("prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens (cumulative)"),
+            ("step_seconds", "Measured seconds per decode step of a full batch"),
+            ("step_max_running", "Sequences one step carries at most"),
+            ("prefill_tokens_per_second", "Measured prompt tokens prefilled per second"),
         ]}
         c = {name: CounterMetricFamily(f"xlaserve_{name}", doc, labels=labels) for name, doc in [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
             ("num_preemptions", "Requests preempted (recomputed later)"),
         ]}
-        for model, replica, stats_fn in self._sources():
+        for model, replica, engine in self._sources():
             try:
-                s = stats_fn()
+                s, costs = engine.stats(), engine.service_costs()
             except Exception:  # noqa: BLE001, S112 (a replica that cannot answer is skipped)
                 continue
             lv = [model, replica]
@@ -55,6 +59,9 @@ class _EngineCollector(Collector):
             c["prefix_cache_queries"].add_metric(lv, s.prefix_cache_queries)
             c["prefix_cache_hits"].add_metric(lv, s.prefix_cache_hits)
             c["num_preemptions"].add_metric(lv, s.num_preemptions)
+            g["step_seconds"].add_metric(lv, costs.step_s)
+            g["step_max_running"].add_metric(lv, costs.max_running)
+            g["prefill_tokens_per_second"].add_metric(lv, costs.prefill_tokens_per_s)
         yield from g.values()
         yield from c.values()
 

@@ -5,7 +5,7 @@ or JSON file (presets in `configs/`).  Defaults live here; a file names only wha
     [auth]              mode = "none" | "hs256" | "rs256", secret / secret_env / public_key_file,
                         audience, issuer
     [limits.<tier>]     requests_per_minute, tokens_per_minute, tokens_per_day  (0 = unlimited)
-    [admission]         slo_wait_s.<tier>, initial_service_rate, max_queue_wait_s
+    [admission]         slo_wait_s.<tier>, max_queue_wait_s
     [router]            block_size, affinity_blocks, overload_slack
     [auto]              small, large, threshold_tokens   (the model "auto")
     [audit]             path, include_prompts
@@ -83,7 +83,6 @@ class AdmissionConfig:
     # A request is rejected when its expected queue wait exceeds its tier's SLO.
     slo_wait_s: Mapping[str, float] = field(
         default_factory=lambda: {"free": 2.0, "paid": 10.0, "internal": 30.0})
-    initial_service_rate: float = 2.0  # requests/s assumed per replica before any is measured
     max_queue_wait_s: float = 60.0     # hard bound on any wait in the queue
 
     def __post_init__(self) -> None:
@@ -91,9 +90,6 @@ class AdmissionConfig:
             parse_tier(name)
             if not v > 0:
                 raise ValueError(f"admission.slo_wait_s.{name}={v!r}: must be > 0")
-        if not self.initial_service_rate > 0:
-            raise ValueError(f"admission.initial_service_rate={self.initial_service_rate!r}: "
-                             "must be > 0")
         if not self.max_queue_wait_s > 0:
             raise ValueError(f"admission.max_queue_wait_s={self.max_queue_wait_s!r}: must be > 0")
 

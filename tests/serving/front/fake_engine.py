@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
-from collections import deque
 from collections.abc import AsyncIterator
 
-from xlaserve.serving.engine_api import EngineStats
+from xlaserve.serving.engine_api import EngineStats, ServiceCosts
 from xlaserve.serving.tokenizer import IncrementalDetokenizer, Tokenizer
 from xlaserve.serving.types import EngineEvent, GenerationRequest, TokenLogprob, Usage
 
@@ -50,7 +48,6 @@ class FakeEngine:
         self.finished: dict[str, str] = {}          # request id -> finish_reason
         self._abort_flags: set[str] = set()
         self._abort_events: dict[str, asyncio.Event] = {}
-        self._done_times: deque[float] = deque(maxlen=256)
         self._slots: asyncio.Semaphore | None = None
 
     def stats(self) -> EngineStats:
@@ -58,10 +55,11 @@ class FakeEngine:
                            kv_blocks_total=self.kv_blocks_total,
                            kv_blocks_used=self.blocks_in_use, num_finished=len(self.finished))
 
-    def service_rate(self) -> float:
-        now = time.monotonic()
-        recent = [t for t in self._done_times if now - t < 10.0]
-        return len(recent) / 10.0
+    def service_costs(self) -> ServiceCosts:
+        """Its steps as admission sees them: a full batch of `max_running` every
+        `token_delay` (a millisecond at least), and `prefill_delay` for a 16-token prompt."""
+        return ServiceCosts(self.max_running, max(self.token_delay, 1e-3),
+                            16 / self.prefill_delay if self.prefill_delay else 1e6)
 
     @property
     def aborted(self) -> set[str]:
@@ -148,7 +146,6 @@ class FakeEngine:
                     break
                 yield EngineEvent(rid, (tid,), delta, lp)
             finish = finish or "length"
-            self._done_times.append(time.monotonic())
             yield EngineEvent(rid, (), "", (), finish, Usage(len(prompt), len(out)),
                               "fake failure" if finish == "error" else None)
         finally:

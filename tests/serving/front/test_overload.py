@@ -7,15 +7,14 @@ import asyncio
 import time
 
 import httpx
-from tests.serving.front.fake_engine import FakeEngine
 
+from tests.serving.front.fake_engine import FakeEngine
 from xlaserve.serving.server_config import AdmissionConfig, ServedModel, ServerConfig
 
 
 def test_burst_gets_200_or_429_then_recovers(make_server, tokenizer):
     cfg = ServerConfig(models=(ServedModel("fake", max_inflight=2, max_queue=4),),
-                       admission=AdmissionConfig(slo_wait_s={"internal": 1.0},
-                                                 initial_service_rate=2.0))
+                       admission=AdmissionConfig(slo_wait_s={"internal": 0.3}))
     eng = FakeEngine(tokenizer, "fake", token_delay=0.02)
     srv = make_server(cfg, {"fake@1": [eng]})
     body = {"model": "fake", "prompt": "one two three four", "max_tokens": 10}
@@ -49,9 +48,8 @@ def test_paid_before_free_and_displacement():
     from xlaserve.serving.types import Tier
 
     async def scenario() -> list[str]:
-        adm = AdmissionController(AdmissionConfig(slo_wait_s={"free": 100, "paid": 100},
-                                                  initial_service_rate=1.0),
-                                  capacity=1, max_queue=2)
+        adm = AdmissionController(AdmissionConfig(slo_wait_s={"free": 100, "paid": 100}),
+                                  1, max_queue=2)
         order: list[str] = []
         first = await adm.acquire(Tier.FREE)
 

@@ -1,17 +1,12 @@
-"""Host-only pieces with a fake clock: token buckets and quotas, trace context, admission
-estimates and bounds."""
+"""Host-only pieces with a fake clock: token buckets and quotas, trace context."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 
-from xlaserve.serving.admission import AdmissionController, Rejected
 from xlaserve.serving.gateway.ratelimit import RateLimited, RateLimiter
 from xlaserve.serving.gateway.tracing import TraceContext
-from xlaserve.serving.server_config import AdmissionConfig, TierLimits
+from xlaserve.serving.server_config import TierLimits
 from xlaserve.serving.types import Tier
 
 
@@ -100,122 +95,3 @@ def test_trace_context():
         t = TraceContext.from_headers("bad id with spaces", bad)
         assert t.request_id.startswith("req-") and len(t.trace_id) == 32
         assert t.traceparent.split("-")[1] == t.trace_id
-
-
-def test_admission_estimate_slo_and_timeout():
-    clock = Clock()
-
-    async def scenario() -> None:
-        cfg = AdmissionConfig(slo_wait_s={"free": 2.0, "paid": 10.0}, initial_service_rate=1.0,
-                              max_queue_wait_s=0.2)
-        adm = AdmissionController(cfg, capacity=1, max_queue=10, clock=clock)
-        t = await adm.acquire(Tier.FREE)
-        assert adm.expected_wait(Tier.FREE) == 1.0   # 1 ahead-or-new / 1 per s
-        waiters = [asyncio.create_task(adm.acquire(Tier.FREE)) for _ in range(2)]
-        await asyncio.sleep(0)
-        # 2 queued: a third free request would wait 3 s > 2 s SLO; a paid one 1 s
-        with pytest.raises(Rejected) as e:
-            await adm.acquire(Tier.FREE)
-        assert e.value.reason == "slo" and e.value.retry_after == 1
-        assert adm.expected_wait(Tier.PAID) == 1.0
-        # measured service time 0.5 s per request -> rate 2/s, the estimate halves
-        clock.t += 0.5
-        adm.release(t)
-        await asyncio.sleep(0)
-        assert adm.service_rate() == 2.0
-        # the queued ones time out after max_queue_wait_s (never an unbounded wait)
-        results = await asyncio.gather(*waiters, return_exceptions=True)
-        assert isinstance(results[1], Rejected) and results[1].reason == "timeout"
-        adm.release(results[0])
-        assert adm.running == 0 and adm.waiting == 0
-        assert adm.rejections == {"slo": 1, "timeout": 1}
-
-    asyncio.run(scenario())
-
-
-def test_admission_weights_in_order():
-    async def scenario() -> list[str]:
-        cfg = AdmissionConfig(slo_wait_s={"free": 100.0})
-        adm = AdmissionController(cfg, capacity=2, max_queue=10)
-        order: list[str] = []
-        big = await adm.acquire(Tier.FREE, weight=3)  # heavier than capacity: runs alone
-        assert adm.running == 3
-
-        async def one(name: str, weight: int) -> None:
-            t = await adm.acquire(Tier.FREE, weight=weight)
-            order.append(name)
-            await asyncio.sleep(0.05)
-            adm.release(t)
-
-        a = asyncio.create_task(one("two", 2))
-        await asyncio.sleep(0)
-        b = asyncio.create_task(one("one", 1))
-        await asyncio.sleep(0)
-        assert adm.waiting == 2 and adm.expected_wait(Tier.FREE) > 0
-        adm.release(big)
-        await asyncio.sleep(0.003)  # "two" wakes and holds its slots for 50 ms
-        assert order == ["two"] and adm.running == 2  # "one" waits behind, no overtaking
-        await asyncio.gather(a, b)
-        assert order == ["two", "one"] and adm.running == 0
-        return order
-
-    asyncio.run(scenario())
-
-
-def test_admission_grant_racing_the_queue_timeout_admits():
-    """The queue-wait timer and the release() that grants the slot fire in the same loop
-    iteration (a busy loop): the waiter is admitted, and no slot is left held."""
-    async def scenario() -> None:
-        cfg = AdmissionConfig(slo_wait_s={"free": 100.0}, max_queue_wait_s=0.05)
-        adm = AdmissionController(cfg, capacity=1, max_queue=4)
-        first = await adm.acquire(Tier.FREE)
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.01, time.sleep, 0.2)     # both timers below come due together
-        loop.call_later(0.06, adm.release, first)
-        second = await adm.acquire(Tier.FREE)      # was: Rejected("timeout"), slot leaked
-        assert adm.running == 1 and adm.rejections == {}
-        adm.release(second)
-        assert adm.running == 0 and adm.waiting == 0
-        await asyncio.wait_for(adm.acquire(Tier.FREE), 1.0)   # idle: admitted at once
-        assert adm.running == 1
-
-    asyncio.run(scenario())
-
-
-def test_admission_grant_racing_a_cancel_frees_the_slot_unmeasured():
-    """A queued caller cancelled in the instant its slot is granted hands the slot on, and its
-    zero time in the engine does not enter the service-time average."""
-    clock = Clock()
-
-    async def scenario() -> None:
-        cfg = AdmissionConfig(slo_wait_s={"free": 100.0})
-        adm = AdmissionController(cfg, capacity=1, max_queue=4, clock=clock)
-        first = await adm.acquire(Tier.FREE)
-        waiter = asyncio.create_task(adm.acquire(Tier.FREE))
-        await asyncio.sleep(0)
-        assert adm.waiting == 1
-        clock.t += 2.0
-        waiter.cancel()             # its client goes away ...
-        adm.release(first)          # ... as the slot is granted, before the waiter runs
-        with pytest.raises(asyncio.CancelledError):
-            await waiter
-        assert adm.running == 0 and adm.waiting == 0
-        assert adm.service_rate() == 0.5   # 1 slot / 2.0 s measured; was 1 / 1.6 s
-
-    asyncio.run(scenario())
-
-
-def test_admission_without_a_queue_rejects_when_full():
-    async def scenario() -> None:
-        adm = AdmissionController(AdmissionConfig(slo_wait_s={"free": 100.0}), capacity=1,
-                                  max_queue=0)
-        t = await adm.acquire(Tier.FREE)
-        with pytest.raises(Rejected) as e:
-            await adm.acquire(Tier.FREE)
-        assert e.value.reason == "queue_full" and e.value.retry_after >= 1
-        assert "admission queue is full (0 waiting)" in str(e.value)
-        adm.release(t)
-        assert adm.running == 0
-        await adm.acquire(Tier.FREE)
-
-    asyncio.run(scenario())

@@ -1,21 +1,28 @@
-"""Admission control for one model: at most `capacity` engine requests in the engines at once
-(a client request with n choices weighs n), a bounded priority queue in front, and a wait
-estimate from Little's law.
+"""Admission control for one model: at most `max_inflight` engine requests per live replica in
+the engines at once (a client request with n choices weighs n), a bounded priority queue in
+front, and a work-based projection of each newcomer's wait (projection.py).
 
-    arrive --(slot free, nobody ahead)--> run
-           --(queue full / expected wait > tier SLO)--> Rejected(429, Retry-After)
+    arrive --(expected wait > tier SLO)--> Rejected(429 "slo", Retry-After)
+           --(a slot free, nobody ahead)--> run
+           --(queue full)--> Rejected(429 "queue_full")
            --(otherwise)--> queued, ordered by (tier, priority, arrival) --> run
-                                    |-- waited max_queue_wait_s --> Rejected("timeout")
+                                    |-- waited its tier's SLO --> Rejected("timeout")
                                     |-- displaced by a higher tier when full --> Rejected
     run --release()--> next in queue
 
-Expected wait of a newcomer = (weight ahead of it + its weight) / service rate  (Little's law,
-W = L/λ),
-where "ahead" counts only queued requests that would be served before it (paid before free),
-and the service rate is the larger of the engines' measured completion rate and
-capacity / (mean measured time in the engine); before anything is measured,
-`initial_service_rate` per replica.  Retry-After is the time for the queue to drain to where
-the wait fits the SLO: expected wait - SLO, at least 1 s.
+Expected wait = the projection of when the engines would start the newcomer, from the work of
+every request in them (prompt + max_tokens, less what their time there has done) and of the
+queued ones served before it (paid before free), over the live replicas' measured step costs
+(`AsyncEngine.service_costs()`: measured in warm-up, then a moving estimate from the steps
+served).  Retry-After is the time until the wait fits the SLO again (expected wait - SLO), plus
+the share of the engines' time booked by the requests turned away before it, so that a burst's
+retries come back spread out; rounded up, at least 1 s, at most a minute.
+
+The capacity follows the live replicas: a replica that goes down takes its `max_inflight` and
+its sequence slots out of both.  The projection can be wrong (a machine busier than when it was
+measured); the SLO then still bounds the wait: a request still queued when its tier's SLO has
+passed is turned away ("timeout"), so no admitted request waited in the queue longer than its
+SLO (or max_queue_wait_s, if shorter).
 """
 
 from __future__ import annotations
@@ -26,11 +33,15 @@ import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from xlaserve.serving.admission.projection import Rates, Work, queue_wait
+from xlaserve.serving.engine_api import ServiceCosts
 from xlaserve.serving.server_config import AdmissionConfig
 from xlaserve.serving.types import Tier
+
+RETRY_AFTER_MAX_S = 60.0
 
 
 class Rejected(Exception):
@@ -48,6 +59,7 @@ class Ticket:
     priority: int
     arrived: float
     weight: int = 1
+    work: Work = Work()           # of each of its `weight` engine requests
     started: float = 0.0
     queue_time: float = 0.0
     released: bool = False
@@ -61,20 +73,24 @@ class _Waiter:
 
 
 class AdmissionController:
-    def __init__(self, config: AdmissionConfig, capacity: int, max_queue: int,
-                 replicas: int = 1, engine_rate: Callable[[], float] = lambda: 0.0,
+    def __init__(self, config: AdmissionConfig, max_inflight: int, max_queue: int,
+                 replicas: Callable[[], Sequence[ServiceCosts]] = lambda: (ServiceCosts(),),
                  clock: Callable[[], float] = time.monotonic):
-        assert capacity >= 1 and max_queue >= 0
+        """`replicas()`: the step costs of each live replica of the model (one entry per
+        replica that is up; the costs may be unmeasured: no projection from that one)."""
+        if max_inflight < 1 or max_queue < 0:
+            raise ValueError(f"max_inflight={max_inflight} must be >= 1 and "
+                             f"max_queue={max_queue} >= 0")
         self.config = config
-        self.capacity = capacity
+        self.max_inflight = max_inflight
         self.max_queue = max_queue
-        self.replicas = replicas
-        self._engine_rate = engine_rate
+        self._replicas = replicas
         self._clock = clock
         self._running = 0
+        self._started: dict[int, Ticket] = {}   # id(ticket) -> ticket, oldest first
         self._queue: list[_Waiter] = []
         self._seq = itertools.count()
-        self._mean_service_s = 0.0          # EWMA of time from admit to release
+        self._retry_at = 0.0                    # see _retry_after
         self.rejections: Counter[str] = Counter()
 
     # -- observability ---------------------------------------------------------------------
@@ -87,43 +103,59 @@ class AdmissionController:
     def waiting(self) -> int:
         return sum(1 for w in self._queue if not w.future.done())
 
-    def service_rate(self) -> float:
-        """Requests/s the engines are expected to finish (see module docstring)."""
-        rates = [self._engine_rate()]
-        if self._mean_service_s > 0:
-            rates.append(self.capacity / self._mean_service_s)
-        rate = max(rates)
-        return rate if rate > 0 else self.config.initial_service_rate * self.replicas
+    @property
+    def capacity(self) -> int:
+        """Engine requests the live replicas may hold at once."""
+        return self.max_inflight * max(1, len(self._replicas()))
+
+    def rates(self) -> Rates | None:
+        """The live replicas' measured costs, pooled (None: nothing measured yet): their
+        sequence slots, the slowest step, prefill rates summed (they prefill side by side)."""
+        known = [c for c in self._replicas() if c.measured]
+        if not known:
+            return None
+        # the engines never hold more than the capacity: beyond it, slots stay empty
+        return Rates(slots=min(sum(c.max_running for c in known), self.capacity),
+                     step_s=max(c.step_s for c in known),
+                     prefill_tokens_per_s=sum(c.prefill_tokens_per_s for c in known))
 
     def _fits(self, weight: int) -> bool:
         # A request heavier than the whole capacity still runs, alone.
         return self._running + weight <= self.capacity or self._running == 0
 
     def expected_wait(self, tier: Tier, priority: int = 0, weight: int = 1) -> float:
-        ahead = sum(w.ticket.weight for w in self._queue if not w.future.done()
-                    and (w.ticket.tier, w.ticket.priority) >= (tier, priority))
-        if ahead == 0 and self._fits(weight):
+        """Seconds until the engines would start a request of this class arriving now."""
+        rates = self.rates()
+        if rates is None:
             return 0.0
-        return (ahead + weight) / self.service_rate()
+        now = self._clock()
+        running = [(t.work, now - t.started) for t in self._started.values()
+                   for _ in range(t.weight)]
+        ahead = [w.ticket.work for w in sorted(self._queue) if not w.future.done()
+                 and (w.ticket.tier, w.ticket.priority) >= (tier, priority)
+                 for _ in range(w.ticket.weight)]
+        return queue_wait(rates, running, ahead, weight)
 
     # -- admission -------------------------------------------------------------------------
 
-    async def acquire(self, tier: Tier, priority: int = 0, weight: int = 1) -> Ticket:
-        """Wait for `weight` slots or raise Rejected.  Cancelling the caller leaves the queue
-        clean."""
+    async def acquire(self, tier: Tier, priority: int = 0, weight: int = 1,
+                      work: Work = Work()) -> Ticket:
+        """Wait for `weight` slots (engine requests, each costing `work`) or raise Rejected.
+        Cancelling the caller leaves the queue clean."""
         assert weight >= 1
         now = self._clock()
-        ticket = Ticket(tier, priority, now, weight)
+        ticket = Ticket(tier, priority, now, weight, work)
         self._queue = [w for w in self._queue if not w.future.done()]
         heapq.heapify(self._queue)
-        if not self._queue and self._fits(weight):
-            return self._start(ticket)
         wait = self.expected_wait(tier, priority, weight)
         slo = self.config.slo(tier)
+        bound = min(slo, self.config.max_queue_wait_s)   # no admitted request waits longer
         if wait > slo:
-            raise self._reject("slo", wait - slo,
+            raise self._reject("slo", self._retry_after(wait - slo, weight, work),
                                f"expected queue wait {wait:.1f}s exceeds the {tier.name.lower()} "
                                f"tier's {slo:g}s objective")
+        if not self._queue and self._fits(weight):
+            return self._start(ticket)
         if len(self._queue) >= self.max_queue:
             worst = max(self._queue) if self._queue else None   # max_queue = 0: no queue
             if worst is not None and worst.key > (-tier, -priority, math.inf):
@@ -135,13 +167,13 @@ class AdmissionController:
                     "displaced", max(1.0, wait),
                     "queued request displaced by a higher-priority one; retry later"))
             else:
-                raise self._reject("queue_full", wait,
+                raise self._reject("queue_full", self._retry_after(wait, weight, work),
                                    f"admission queue is full ({self.max_queue} waiting)")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiter = _Waiter((-int(tier), -priority, next(self._seq)), ticket, fut)
         heapq.heappush(self._queue, waiter)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.config.max_queue_wait_s)
+            await asyncio.wait_for(asyncio.shield(fut), bound)
         except TimeoutError:
             # The timer and the grant can land in the same loop iteration: wait_for then
             # raises although _wake() already started the ticket.  The caller is still
@@ -150,8 +182,8 @@ class AdmissionController:
                 return ticket
             self._drop(waiter)
             raise self._reject("timeout", self.expected_wait(tier, priority, weight),
-                               f"waited {self.config.max_queue_wait_s:g}s in the admission "
-                               "queue") from None
+                               f"waited {bound:g}s in the admission queue, the "
+                               f"{tier.name.lower()} tier's objective") from None
         except BaseException:
             # Cancelled (client gone) or displaced.  If we were granted a slot in the same
             # instant, hand it on without counting it as a served request.
@@ -166,15 +198,13 @@ class AdmissionController:
         """The request left the engine (any outcome).  Idempotent."""
         if ticket.released:
             return
-        elapsed = self._clock() - ticket.started  # per engine request: they run side by side
-        self._mean_service_s = (elapsed if self._mean_service_s == 0
-                                else 0.8 * self._mean_service_s + 0.2 * elapsed)
         self._give_back(ticket)
 
     # -- internals -------------------------------------------------------------------------
 
     def _start(self, ticket: Ticket) -> Ticket:
         self._running += ticket.weight
+        self._started[id(ticket)] = ticket
         ticket.started = self._clock()
         ticket.queue_time = ticket.started - ticket.arrived
         return ticket
@@ -184,11 +214,12 @@ class AdmissionController:
         return fut.done() and not fut.cancelled() and fut.exception() is None
 
     def _give_back(self, ticket: Ticket) -> None:
-        """Free the ticket's slots; unlike release(), no service time is measured (a ticket
-        granted to a caller that had already gone never ran)."""
+        """Free the ticket's slots (also for a ticket granted to a caller that had already
+        gone, which never ran)."""
         assert not ticket.released
         ticket.released = True
         self._running -= ticket.weight
+        del self._started[id(ticket)]
         self._wake()
 
     def _wake(self) -> None:
@@ -211,6 +242,18 @@ class AdmissionController:
         if not waiter.future.done():
             waiter.future.cancel()
         self._wake()  # it may have been the head that did not fit
+
+    def _retry_after(self, drain_s: float, weight: int, work: Work) -> float:
+        """When a request turned away now should come back: once the queue has drained for
+        `drain_s`, and after the ones turned away before it, each of which booked its share of
+        the engines' time (its service over the slots), so that a burst's retries come back
+        spread at the rate the engines can take them rather than all in the same second.  At
+        most RETRY_AFTER_MAX_S (a sustained overload would push the horizon ever further)."""
+        now = self._clock()
+        rates = self.rates()
+        share = weight * rates.service_s(work) / rates.slots if rates is not None else 0.0
+        self._retry_at = max(self._retry_at, now + drain_s) + share
+        return min(self._retry_at - now, RETRY_AFTER_MAX_S)
 
     def _reject(self, reason: str, retry_after: float, message: str) -> Rejected:
         self.rejections[reason] += 1

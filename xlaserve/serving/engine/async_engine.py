@@ -35,7 +35,7 @@ from typing import Any
 
 from xlaserve.serving.engine.config import EngineConfig
 from xlaserve.serving.engine.engine import LLMEngine
-from xlaserve.serving.engine_api import EngineStats
+from xlaserve.serving.engine_api import EngineStats, ServiceCosts
 from xlaserve.serving.types import EngineEvent, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,6 @@ class AsyncEngine:
         self._wake = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._completed: deque[float] = deque(maxlen=256)   # finish times, for service rate
         self.last_error: str | None = None
         self.fatal_error: str | None = None   # set once it failed for good: no more work
         self._failure_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]] = []
@@ -90,6 +89,7 @@ class AsyncEngine:
             try:
                 if warmup:
                     self.engine.runner.warmup()
+                    self.engine.calibrate()
             except Exception as e:  # the engine can never serve: say so, and why
                 self._fail_for_good(e, f"warm-up failed ({type(e).__name__}: {e}); this "
                                        f"engine never became ready")
@@ -185,13 +185,9 @@ class AsyncEngine:
             prefix_cache_hits=s.prefix_cache.hit_tokens,
             num_preemptions=s.num_preemptions, num_finished=s.num_finished)
 
-    def service_rate(self) -> float:
-        """Completed requests per second over the recent window (0 when unknown)."""
-        times = list(self._completed)
-        if len(times) < 2:
-            return 0.0
-        span = max(time.monotonic() - times[0], 1e-3)
-        return len(times) / span
+    def service_costs(self) -> ServiceCosts:
+        """The engine thread's latest measure of its step costs (calibrated in warm-up)."""
+        return self.engine.costs.costs
 
     # -- the engine thread ---------------------------------------------------------------------
 
@@ -206,7 +202,6 @@ class AsyncEngine:
             return
         if event.finished:
             self._waiters.pop(event.request_id, None)
-            self._completed.append(time.monotonic())
         waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, event)
 
     def _drain_inbox(self) -> None:

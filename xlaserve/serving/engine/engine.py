@@ -28,6 +28,7 @@ from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import Params
 from xlaserve.serving.engine.config import EngineConfig
 from xlaserve.serving.engine.request_state import OutputState
+from xlaserve.serving.engine.service_costs import CostMeter
 from xlaserve.serving.runner.runner import CallResult, ModelRunner, RowInput, RowSampling
 from xlaserve.serving.scheduler import Scheduler
 from xlaserve.serving.scheduler.step_plan import ScheduledSeq, StepPlan
@@ -77,14 +78,17 @@ class StepClock:
         self.seconds[bucket] = took if old is None else old + self.weight * (took - old)
         self.device_free_at = done_at
 
-    def fetched(self, bucket: tuple[int, int, int], launched_at: float, waited: bool) -> None:
+    def fetched(self, bucket: tuple[int, int, int], launched_at: float,
+                waited: bool) -> float | None:
         """A step's tokens were read back: had the engine to wait for them, the device was
-        busy until now, a measure of its time; otherwise it ended at some unknown point
-        since its launch (no measure)."""
-        if waited:
-            self.record(bucket, launched_at, time.monotonic())
-        else:
+        busy until now, a measure of its time (returned); otherwise it ended at some unknown
+        point since its launch (no measure: None)."""
+        if not waited:
             self.device_free_at = max(self.device_free_at, launched_at)
+            return None
+        start = max(launched_at, self.device_free_at)
+        self.record(bucket, launched_at, time.monotonic())
+        return self.device_free_at - start
 
     def expected_end(self, bucket: tuple[int, int, int], launched_at: float) -> float | None:
         took = self.seconds.get(bucket)
@@ -122,6 +126,7 @@ class LLMEngine:
         self.num_steps = 0
         self.host_time = HostTime()
         self.clock = StepClock()
+        self.costs = CostMeter(engine_config.max_num_seqs)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -150,6 +155,13 @@ class LLMEngine:
         state = self.scheduler.abort(request_id)
         self._ready.append(self._final(request_id, "abort", state))
         return True
+
+    def calibrate(self) -> None:
+        """Measure the step costs admission projects from (before serving: see CostMeter)."""
+        costs = self.costs.calibrate(self.runner, context=min(512, self.config.max_model_len // 4),
+                                     prefill_tokens=self.config.max_prefill_chunk)
+        log.info("step costs: %.1f ms per decode step of %d rows, %.0f prompt tokens/s",
+                 1e3 * costs.step_s, costs.max_running, costs.prefill_tokens_per_s)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._in_flight) or bool(self._ready)
@@ -240,7 +252,11 @@ class LLMEngine:
         if launched.call is not None:
             waited = not launched.call.ready()
             host = launched.call.fetch()
-            self.clock.fetched(launched.call.bucket, launched.launched_at, waited)
+            took = self.clock.fetched(launched.call.bucket, launched.launched_at, waited)
+            if took is not None:
+                plan = launched.plan
+                self.costs.observe(plan.num_seqs, sum(r.num_tokens for r in plan.prefills),
+                                   took)
             t1 = time.perf_counter()
             for i, row in enumerate(launched.plan.rows):
                 if not row.sample:

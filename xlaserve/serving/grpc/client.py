@@ -2,7 +2,7 @@
 in other processes or machines (`xlaserve worker`).
 
 The tokenizer stays local (the front end tokenizes and renders chat templates itself); stats,
-service rate and readiness are polled every `poll_interval` seconds and served from that cache
+step costs and readiness are polled every `poll_interval` seconds and served from that cache
 (stats() must be cheap); a call failing with UNAVAILABLE marks the replica not ready at once,
 so the router stops picking it before the next poll.  Closing a stream early cancels the call,
 which makes the worker abort the request; abort() also sends an explicit Abort.  The channel is opened in the event loop
@@ -17,10 +17,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from xlaserve.serving.engine_api import EngineStats
+from xlaserve.serving.engine_api import EngineStats, ServiceCosts
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
-from xlaserve.serving.grpc.convert import event_from_pb, request_to_pb, stats_from_pb
+from xlaserve.serving.grpc.convert import (
+    costs_from_pb,
+    event_from_pb,
+    request_to_pb,
+    stats_from_pb,
+)
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.serving.types import EngineEvent, GenerationRequest
 
@@ -36,7 +41,7 @@ class RemoteEngine:
         self.connect_timeout = connect_timeout
         self._ready = False
         self._stats = EngineStats()
-        self._rate = 0.0
+        self._costs = ServiceCosts()
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.GenerationStub | None = None
         self._poller: asyncio.Task[None] | None = None
@@ -80,7 +85,7 @@ class RemoteEngine:
         try:
             s = await self._stub.GetStats(pb.GetStatsRequest(model=self.model_name),
                                           timeout=max(1.0, self.poll_interval * 4))
-            self._stats, self._rate, self._ready = stats_from_pb(s), s.service_rate, s.ready
+            self._stats, self._costs, self._ready = stats_from_pb(s), costs_from_pb(s), s.ready
         except grpc.aio.AioRpcError:
             self._ready = False
 
@@ -92,8 +97,8 @@ class RemoteEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def service_rate(self) -> float:
-        return self._rate
+    def service_costs(self) -> ServiceCosts:
+        return self._costs
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
         if self._stub is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xlaserve.serving.engine_api import EngineStats
+from xlaserve.serving.engine_api import EngineStats, ServiceCosts
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.types import (
     EngineEvent,
@@ -78,17 +78,22 @@ def tier_from_pb(v: int) -> Tier:
         raise ValueError(f"tier={v}: must be one of {[int(t) for t in Tier]}") from None
 
 
-def stats_to_pb(s: EngineStats, rate: float, ready: bool) -> pb.EngineStats:
+def stats_to_pb(s: EngineStats, costs: ServiceCosts, ready: bool) -> pb.EngineStats:
     return pb.EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
                           kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used,
                           kv_blocks_cached=s.kv_blocks_cached,
                           prefix_cache_queries=s.prefix_cache_queries,
                           prefix_cache_hits=s.prefix_cache_hits,
                           num_preemptions=s.num_preemptions, num_finished=s.num_finished,
-                          service_rate=rate, ready=ready)
+                          ready=ready, max_running=costs.max_running, step_s=costs.step_s,
+                          prefill_tokens_per_s=costs.prefill_tokens_per_s)
 
 
 def stats_from_pb(m: pb.EngineStats) -> EngineStats:
     return EngineStats(m.num_running, m.num_waiting, m.kv_blocks_total, m.kv_blocks_used,
                        m.kv_blocks_cached, m.prefix_cache_queries, m.prefix_cache_hits,
                        m.num_preemptions, m.num_finished)
+
+
+def costs_from_pb(m: pb.EngineStats) -> ServiceCosts:
+    return ServiceCosts(m.max_running, m.step_s, m.prefill_tokens_per_s)

@@ -107,7 +107,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GetStats(self, request: pb.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> pb.EngineStats:
         e = await self._engine(request.model, context)
-        return stats_to_pb(e.stats(), e.service_rate(), e.ready)
+        return stats_to_pb(e.stats(), e.service_costs(), e.ready)
 
 
 async def _watch_health(health: HealthServicer, engines: Mapping[str, AsyncEngine]) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from xlaserve.serving.admission import Rejected
+from xlaserve.serving.admission import Rejected, Work
 from xlaserve.serving.gateway.audit import utf8_json
 from xlaserve.serving.gateway.auth import AuthError, Principal
 from xlaserve.serving.gateway.ratelimit import RateLimited, Reservation
@@ -225,8 +225,9 @@ def create_app(state: ServingState) -> Quart:
                 raise ApiError(503, f"model {group.id!r} is still warming up", None,
                                "model_not_ready", {"Retry-After": "5"})
             try:
+                work = Work(sum(len(p) for p in prompts) // len(prompts), sampling.max_tokens)
                 ticket = await group.admission.acquire(principal.tier, parsed.priority,
-                                                       len(prompts) * parsed.n)
+                                                       len(prompts) * parsed.n, work)
             except Rejected as e:
                 state.metrics.rejections.labels(e.reason).inc()
                 raise ApiError(429, f"server overloaded: {e}", None, f"overloaded_{e.reason}",

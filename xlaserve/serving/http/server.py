@@ -45,7 +45,7 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config as HyperConfig
 
 from xlaserve.serving.admission import AdmissionController
-from xlaserve.serving.engine_api import AsyncEngine
+from xlaserve.serving.engine_api import AsyncEngine, ServiceCosts
 from xlaserve.serving.http.app import create_app
 from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.router import ModelGroup, Replica, Router
@@ -70,12 +70,12 @@ def build_state(config: ServerConfig, engines: Mapping[str, Sequence[AsyncEngine
         if not reps:
             raise ValueError(f"models[{m.id}]: no engine replicas")
         replicas = [Replica(f"{m.id}/{i}", e) for i, e in enumerate(reps)]
-        def engine_rate(rs: list[Replica] = replicas) -> float:
-            return sum(r.engine.service_rate() for r in rs)
 
-        admission = AdmissionController(
-            config.admission, capacity=m.max_inflight * len(replicas), max_queue=m.max_queue,
-            replicas=len(replicas), engine_rate=engine_rate)
+        def live_costs(rs: list[Replica] = replicas) -> list[ServiceCosts]:
+            return [r.engine.service_costs() for r in rs if r.engine.ready]
+
+        admission = AdmissionController(config.admission, m.max_inflight, m.max_queue,
+                                        live_costs)
         groups.append(ModelGroup(m, replicas, admission, config.router))
     return ServingState(config, Router(groups, config.auto))
 

@@ -52,7 +52,7 @@ class ServingState:
         self._background: set[asyncio.Task[Any]] = set()
 
     def _engine_sources(self) -> list[EngineSource]:
-        return [(g.id, r.name, r.engine.stats) for g in self.router.groups for r in g.replicas]
+        return [(g.id, r.name, r.engine) for g in self.router.groups for r in g.replicas]
 
     @property
     def ready(self) -> bool:
@@ -239,6 +239,11 @@ class Generation:
                 firsts[c.prompt_index] = c.usage.cached_tokens
         return Usage(prompt, completion, sum(firsts.values()))
 
+    def _ttft(self) -> float | None:
+        """Seconds from arrival to the first token of the earliest choice (None: no token)."""
+        firsts = [c.first_at for c in self.choices if c.first_at]
+        return round(min(firsts) - self.arrived, 4) if firsts else None
+
     def served_tokens(self) -> int:
         """What the tenant is charged: nothing when the server failed the request (5xx);
         otherwise the completion tokens produced plus each prompt the engine ran (one of its
@@ -292,6 +297,7 @@ class Generation:
                 "endpoint": self.endpoint, "status": self.status,
                 "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                 "cached_tokens": u.cached_tokens, "latency_s": round(now - self.arrived, 4),
+                "queue_s": round(self.ticket.queue_time, 4), "ttft_s": self._ttft(),
                 "finish_reasons": [c.finish_reason for c in self.choices],
                 "replicas": [c.replica.name for c in self.choices], **self.audit_extra})
         st.limiter.settle(self.reservation, self.served_tokens())

@@ -78,9 +78,6 @@ class ModelGroup:
     def ready(self) -> bool:
         return any(r.engine.ready for r in self.replicas)
 
-    def service_rate(self) -> float:
-        return sum(r.engine.service_rate() for r in self.replicas)
-
     def affinity_key(self, prompt_ids: Sequence[int], tenant: str) -> bytes | None:
         bs, nb = self.router_config.block_size, self.router_config.affinity_blocks
         full = min(len(prompt_ids) // bs, nb) * bs
