@@ -2,7 +2,10 @@
 engines, plus the standard grpc.health.v1 service (SERVING once every engine is ready).
 
 Generate streams the engine's events; if the client cancels the call or its deadline passes,
-grpc cancels the handler and the `finally` aborts the engine request, freeing its blocks.
+grpc cancels the handler and the `finally` aborts the engine request, freeing its blocks.  A
+request id stays reserved (another Generate with it gets ALREADY_EXISTS) until its request's
+abort is in the engine's hands; the engine then holds a request reusing the id until it has
+let go of the old one.
 `worker_main` runs a local engine behind this server (`xlaserve worker`), the replica a
 front-end router reaches through `RemoteEngine`.  This is the internal, worker-side protocol:
 it has no gateway (no JWT, no rate limits), so bind it to loopback or a private network; public
@@ -26,7 +29,7 @@ from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
 from xlaserve.serving.grpc.convert import event_to_pb, sampling_from_pb, stats_to_pb, tier_from_pb
-from xlaserve.serving.types import GenerationRequest
+from xlaserve.serving.types import EngineEvent, GenerationRequest
 
 SERVICE = "xlaserve.v1.Generation"
 
@@ -80,15 +83,26 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     finished = True
                     break
         finally:
-            self.inflight.discard(rid)
-            if not finished:  # cancelled, deadline, or the engine stream broke
-                abort = asyncio.ensure_future(engine.abort(rid))
-                with contextlib.suppress(BaseException):  # the original exception goes on
-                    await asyncio.shield(abort)
+            # a task of its own: a second cancellation of this handler cannot leave the id
+            # reserved for good
+            end = asyncio.ensure_future(self._end(engine, rid, stream, finished))
+            with contextlib.suppress(BaseException):  # the original exception goes on
+                await asyncio.shield(end)
+
+    async def _end(self, engine: AsyncEngine, rid: str, stream: AsyncIterator[EngineEvent],
+                   finished: bool) -> None:
+        """Abort the request unless it finished (cancelled, deadline, or the engine stream
+        broke), close its stream, and only then free its id: a request reusing the id earlier
+        could be hit by this one's abort."""
+        try:
+            if not finished:
+                with contextlib.suppress(Exception):
+                    await engine.abort(rid)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
-                with contextlib.suppress(BaseException):
-                    await aclose()
+                await aclose()
+        finally:
+            self.inflight.discard(rid)
 
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
