@@ -4,9 +4,7 @@ request, and RemoteEngine as a router replica behind the HTTP API."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator
-from typing import Self
 
 import grpc
 import httpx
@@ -16,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.serving.front.conftest import wait_for
 from tests.serving.front.fake_engine import FakeEngine, expected_ids
+from tests.serving.front.grpc_worker import Worker
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
 from xlaserve.serving.grpc.client import RemoteEngine
@@ -139,37 +138,6 @@ def test_request_id_stays_reserved_until_its_abort_is_done(tokenizer):
     ids = asyncio.run(scenario())
     assert ids == expected_ids(tokenizer.encode("a b c d"), 4)
     assert eng.aborts_before == [[], ["r"]]
-
-
-class Worker:
-    """A gRPC worker serving a FakeEngine in its own thread and event loop."""
-
-    def __init__(self, engine: FakeEngine):
-        self.engine = engine
-        self.port = 0
-        self._started = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _main(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        server, self.port, watcher = await start_grpc_server({"fake": self.engine},
-                                                             "127.0.0.1:0")
-        self._started.set()
-        await self._stop.wait()
-        watcher.cancel()
-        await server.stop(0)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        assert self._started.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._loop is not None and self._stop is not None
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
 
 
 def test_remote_replicas_behind_http(make_server, tokenizer):
