@@ -15,6 +15,10 @@ Protocol (what every implementation promises):
   if anyone still reads it, ends with finish_reason "abort".  The front ends call it whenever
   they stop reading a stream early (client gone, deadline, error); they may also just close
   the iterator, which an engine must treat the same way.
+- A request id names one request at a time: `submit` refuses (ValueError) the id of a running
+  request.  Once a request finished, or was aborted and its stream closed, its id may be
+  submitted again; the local engine also takes it right after `abort` returned (it holds the
+  new request until its thread has let go of the old one, whose events never reach it).
 - `stats()` is cheap and synchronous (read at every /metrics scrape and routing decision).
 - `service_costs()` is what a step of the engine costs, measured (`ServiceCosts`): admission
   projects from it how long a new request would wait (admission/projection.py).  Cheap and

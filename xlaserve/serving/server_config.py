@@ -9,6 +9,7 @@ or JSON file (presets in `configs/`).  Defaults live here; a file names only wha
     [router]            block_size, affinity_blocks, overload_slack
     [auto]              small, large, threshold_tokens   (the model "auto")
     [audit]             path, include_prompts
+    [grpc]              tls_ca, tls_cert, tls_key, token_env   (how grpc:// replicas are dialled)
     [[models]]          name, version, default, path, engine, replicas, tiers, max_inflight,
                         max_queue, engine_args
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -39,12 +41,20 @@ def parse_tier(name: str) -> Tier:
 
 
 def is_loopback(host: str) -> bool:
+    """Is `host` ("localhost", an IP address, IPv6 also in brackets) a loopback address?"""
+    host = host.strip("[]")
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def target_host(target: str) -> str:
+    """The host of a gRPC target "host:port" (of "[v6]:port": "[v6]")."""
+    host, sep, _ = target.rpartition(":")
+    return host if sep else target
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,39 @@ class AuditConfig:
 
 
 @dataclass(frozen=True)
+class GrpcClientConfig:
+    """How the front end dials its grpc:// replicas (serving/grpc/auth.py draws the hop): over
+    TLS trusting `tls_ca`, with a client certificate for workers that require one, and with
+    the bearer token read from the environment variable `token_env` ("": XLASERVE_GRPC_TOKEN
+    when set; a variable named here must be set).  A non-loopback replica needs `tls_ca`."""
+
+    tls_ca: str = ""       # PEM: the CA that signed the workers' certificates; "" = no TLS
+    tls_cert: str = ""     # PEM: this front end's client certificate (mTLS)
+    tls_key: str = ""      # PEM: its private key
+    token_env: str = ""    # the token's variable; the token itself never goes in a file
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("grpc.tls_cert and grpc.tls_key must be given together")
+        if self.tls_cert and not self.tls_ca:
+            raise ValueError(f"grpc.tls_cert={self.tls_cert!r} needs grpc.tls_ca: a client "
+                             "certificate is only sent over TLS")
+        if self.token_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.token_env):
+            # not echoed: a token pasted here by mistake would end up in the logs
+            raise ValueError("grpc.token_env: not an environment variable name (letters, "
+                             "digits, '_'); it names the variable that holds the token")
+
+    def check_target(self, target: str) -> None:
+        """Refuse (ValueError) a plaintext hop to `target` ("host:port") beyond loopback."""
+        host = target_host(target)
+        if not self.tls_ca and not is_loopback(host):
+            raise ValueError(f"grpc://{target}: {host!r} is not a loopback address and "
+                             "grpc.tls_ca is not set: requests (tenant, tier) and the token "
+                             "would cross the network in the clear; set [grpc] tls_ca to the "
+                             "CA that signed the workers' certificates")
+
+
+@dataclass(frozen=True)
 class ServedModel:
     name: str
     version: str = "1"
@@ -198,6 +241,7 @@ class ServerConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     auto: AutoRouteConfig | None = None
     audit: AuditConfig = field(default_factory=AuditConfig)
+    grpc: GrpcClientConfig = field(default_factory=GrpcClientConfig)
     models: tuple[ServedModel, ...] = ()
 
     def __post_init__(self) -> None:
@@ -217,6 +261,10 @@ class ServerConfig:
                              "0..3600 seconds")
         for t in self.limits:
             parse_tier(t)
+        for m in self.models:
+            for r in m.replicas:
+                if r != "local":
+                    self.grpc.check_target(r.removeprefix("grpc://"))
         ids = [m.id for m in self.models]
         if len(set(ids)) != len(ids):
             raise ValueError(f"models: duplicate name@version in {ids}")
@@ -290,7 +338,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
 
 def config_from_dict(data: Mapping[str, Any]) -> ServerConfig:
     """Build a ServerConfig from the file layout in the module docstring."""
-    known = {"server", "auth", "limits", "admission", "router", "auto", "audit", "models"}
+    known = {"server", "auth", "limits", "admission", "router", "auto", "audit", "grpc",
+             "models"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"config: unknown section(s) {unknown}; known: {sorted(known)}")
@@ -319,6 +368,8 @@ def config_from_dict(data: Mapping[str, Any]) -> ServerConfig:
         kw["auto"] = _build(AutoRouteConfig, data["auto"], "[auto]")
     if "audit" in data:
         kw["audit"] = _build(AuditConfig, data["audit"], "[audit]")
+    if "grpc" in data:
+        kw["grpc"] = _build(GrpcClientConfig, data["grpc"], "[grpc]")
     kw["models"] = tuple(_build(ServedModel, m, f"[[models]] #{i}")
                          for i, m in enumerate(data.get("models", [])))
     return ServerConfig(**kw)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.serving.front.fake_engine import FakeEngine
 
+from tests.serving.front.fake_engine import FakeEngine
 from xlaserve.serving.server_config import ServedModel, ServerConfig, config_from_dict, load_config
 from xlaserve.serving.types import Tier
 
@@ -27,6 +27,7 @@ def test_presets_load():
     assert g.auth.mode == "rs256" and g.auto is not None and g.auto.threshold_tokens == 512
     assert g.tier_limits(Tier.FREE).requests_per_minute == 20
     assert g.models[1].allows(Tier.PAID) and not g.models[1].allows(Tier.FREE)
+    assert g.grpc.tls_ca and g.grpc.tls_cert and g.grpc.token_env == ""  # $XLASERVE_GRPC_TOKEN
 
 
 @pytest.mark.parametrize("data,match", [
@@ -42,6 +43,12 @@ def test_presets_load():
     ({"auto": {"small": "a", "large": "b"}, "models": [{"name": "a"}]}, "'b' is not in"),
     ({"server": {"tls_cert": "c.pem"}}, "together"),
     ({"server": {"host": "10.1.2.3"}}, "refusing to serve without authentication"),
+    ({"grpc": {"tls_cert": "c.pem"}}, "grpc.tls_cert and grpc.tls_key must be given together"),
+    ({"grpc": {"tls_cert": "c.pem", "tls_key": "k.pem"}}, "'c.pem' needs grpc.tls_ca"),
+    ({"grpc": {"token_env": "s3cr3t token"}}, "grpc.token_env: not an environment variable"),
+    ({"grpc": {"tls": True}}, r"\[grpc\]: unknown key\(s\) \['tls'\]"),
+    ({"models": [{"name": "a", "replicas": ["grpc://10.0.0.5:50051"]}]},
+     "grpc://10.0.0.5:50051: '10.0.0.5' is not a loopback address and grpc.tls_ca is not set"),
 ])
 def test_config_validation(data, match):
     with pytest.raises(ValueError, match=match):
@@ -74,6 +81,7 @@ def test_config_validation(data, match):
      r"^\[admission\]\.slo_wait_s\.free='2': expected a number$"),
     ({"limits": {"free": {"tokens_per_day": 1.5}}},
      r"^\[limits\.free\]\.tokens_per_day=1\.5: expected an integer$"),
+    ({"grpc": {"tls_ca": 1}}, r"^\[grpc\]\.tls_ca=1: expected a string$"),
     ({"server": []}, r"^\[server\]: expected a table, got list$"),
     ({"models": {"name": "m"}}, r"^\[models\]: expected an array, got dict$"),
 ])

@@ -4,22 +4,23 @@ request, and RemoteEngine as a router replica behind the HTTP API."""
 from __future__ import annotations
 
 import asyncio
-import threading
-from typing import Self
+from collections.abc import AsyncIterator
 
 import grpc
 import httpx
 import openai
 import pytest
-from tests.serving.front.conftest import wait_for
-from tests.serving.front.fake_engine import FakeEngine, expected_ids
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.serving.front.conftest import wait_for
+from tests.serving.front.fake_engine import FakeEngine, expected_ids
+from tests.serving.front.grpc_worker import Worker
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
 from xlaserve.serving.grpc.client import RemoteEngine
 from xlaserve.serving.grpc.server import start_grpc_server
 from xlaserve.serving.server_config import ServedModel, ServerConfig
+from xlaserve.serving.types import EngineEvent, GenerationRequest
 
 
 def test_generate_stream_models_health_deadline_cancel(tokenizer):
@@ -89,35 +90,54 @@ def test_generate_stream_models_health_deadline_cancel(tokenizer):
     asyncio.run(scenario())
 
 
-class Worker:
-    """A gRPC worker serving a FakeEngine in its own thread and event loop."""
+class SlowAbortEngine(FakeEngine):
+    """A FakeEngine whose abort takes 0.2 s; each submit records the aborts done by then."""
 
-    def __init__(self, engine: FakeEngine):
-        self.engine = engine
-        self.port = 0
-        self._started = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+    def __init__(self, *args: object, **kwargs: object):
+        super().__init__(*args, **kwargs)
+        self.aborts_before: list[list[str]] = []   # per submit: abort_calls at that moment
 
-    async def _main(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        server, self.port, watcher = await start_grpc_server({"fake": self.engine},
-                                                             "127.0.0.1:0")
-        self._started.set()
-        await self._stop.wait()
-        watcher.cancel()
-        await server.stop(0)
+    async def abort(self, request_id: str) -> None:
+        await asyncio.sleep(0.2)
+        await super().abort(request_id)
 
-    def __enter__(self) -> Self:
-        self._thread.start()
-        assert self._started.wait(10)
-        return self
+    def submit(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        self.aborts_before.append(list(self.abort_calls))
+        return super().submit(request)
 
-    def __exit__(self, *exc: object) -> None:
-        assert self._loop is not None and self._stop is not None
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
+
+def test_request_id_stays_reserved_until_its_abort_is_done(tokenizer):
+    """A cancelled Generate's id is taken again only after the worker's abort of the old
+    request returned: an abort landing later could hit the new request."""
+    eng = SlowAbortEngine(tokenizer, "fake", token_delay=0.02)
+
+    def generate(stub: pb_grpc.GenerationStub, max_tokens: int):
+        return stub.Generate(pb.GenerateRequest(
+            prompt="a b c d", request_id="r", sampling=pb.SamplingParams(max_tokens=max_tokens)),
+            timeout=5)
+
+    async def scenario() -> list[int]:
+        server, port, watcher = await start_grpc_server({"fake": eng}, "127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = pb_grpc.GenerationStub(ch)
+                old = generate(stub, 200)
+                await old.read()
+                old.cancel()
+                for _ in range(200):
+                    try:
+                        return [t async for m in generate(stub, 4) for t in m.token_ids]
+                    except grpc.aio.AioRpcError as e:
+                        assert e.code() == grpc.StatusCode.ALREADY_EXISTS, e
+                    await asyncio.sleep(0.01)
+                raise AssertionError("request_id 'r' stayed reserved")
+        finally:
+            watcher.cancel()
+            await server.stop(0)
+
+    ids = asyncio.run(scenario())
+    assert ids == expected_ids(tokenizer.encode("a b c d"), 4)
+    assert eng.aborts_before == [[], ["r"]]
 
 
 def test_remote_replicas_behind_http(make_server, tokenizer):

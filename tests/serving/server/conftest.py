@@ -17,7 +17,7 @@ import string
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +60,11 @@ def wait_for(cond: Callable[[], bool], timeout: float, interval: float = 0.05) -
 
 
 class Proc:
-    """`xlaserve <args>` in a subprocess; output goes to a log file shown on failure."""
+    """`xlaserve <args>` in a subprocess, with `env` added to its environment; output goes to
+    a log file shown on failure."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path):
+    def __init__(self, name: str, args: list[str], log_dir: Path,
+                 env: Mapping[str, str] | None = None):
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         env = {**os.environ,
@@ -73,7 +75,7 @@ class Proc:
                # CPU unless told otherwise: three JAX processes must not each grab most of
                # one accelerator's memory
                "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
-               "XLASERVE_TEST_JWT_SECRET": JWT_SECRET}
+               "XLASERVE_TEST_JWT_SECRET": JWT_SECRET, **(env or {})}
         self._log = self.log_path.open("wb")
         self.popen = subprocess.Popen([sys.executable, "-m", "xlaserve.cli", *args], env=env,
                                       cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
@@ -112,8 +114,9 @@ class Proc:
 
 
 class HttpServer(Proc):
-    def __init__(self, name: str, config: Path, port: int, log_dir: Path):
-        super().__init__(name, ["serve", "--config", str(config)], log_dir)
+    def __init__(self, name: str, config: Path, port: int, log_dir: Path,
+                 env: Mapping[str, str] | None = None):
+        super().__init__(name, ["serve", "--config", str(config)], log_dir, env)
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
 

@@ -1,10 +1,12 @@
 """Two `xlaserve worker` processes (SmolLM2 behind gRPC) and an `xlaserve serve` process routing
-to both (configs/worker.toml, configs/router.toml):
+to both (configs/worker.toml, configs/router.toml), the workers admitting only callers with a
+client certificate from the test CA and the bearer token (mTLS + token, as deployed):
 
 - a grpcio client streams from a worker exactly the tokens the HTTP API returns for the same
   seed, and a deadline aborts its request and frees its blocks;
 - the router spreads requests with different prefixes over both replicas and keeps a
   conversation (a shared prefix) on one;
+- a caller without the token, or without TLS, is turned away;
 - SIGKILL of one worker mid-run ends each of its in-flight requests with an explicit error,
   new requests go to the survivor, and the front end stays up.
 
@@ -17,6 +19,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -24,6 +27,7 @@ import httpx
 import openai
 import pytest
 
+from tests.serving.certs import CertAuthority, CertFiles
 from tests.serving.server.conftest import (
     MODEL,
     HttpServer,
@@ -34,15 +38,35 @@ from tests.serving.server.conftest import (
 )
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
+from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV
+
+TOKEN = "workers-test-token-0123456789abcdef"
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path
+    worker: CertFiles   # both workers' server certificate
+    client: CertFiles   # the front end's and this test's client certificate
+
+    def client_credentials(self, token: str | None = TOKEN) -> grpc.ChannelCredentials:
+        tls = grpc.ssl_channel_credentials(self.ca.read_bytes(), self.client.key.read_bytes(),
+                                           self.client.cert.read_bytes())
+        if token is None:
+            return tls
+        return grpc.composite_channel_credentials(tls, grpc.access_token_call_credentials(token))
 
 
 class Worker(Proc):
-    def __init__(self, name: str, config: Path, port: int, log_dir: Path):
+    def __init__(self, name: str, config: Path, port: int, log_dir: Path, pki: Pki):
         super().__init__(name, ["worker", "--config", str(config), "--model", MODEL,
-                                "--host", "127.0.0.1", "--port", str(port)], log_dir)
+                                "--host", "127.0.0.1", "--port", str(port),
+                                "--tls-cert", str(pki.worker.cert),
+                                "--tls-key", str(pki.worker.key), "--tls-client-ca", str(pki.ca)],
+                         log_dir, env={DEFAULT_TOKEN_ENV: TOKEN})
         self.port = port
         self.address = f"127.0.0.1:{port}"
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = grpc.secure_channel(self.address, pki.client_credentials())
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     def stats(self) -> pb.EngineStats:
@@ -66,9 +90,10 @@ class Worker(Proc):
 
 
 class Cluster:
-    def __init__(self, workers: list[Worker], router: HttpServer):
+    def __init__(self, workers: list[Worker], router: HttpServer, pki: Pki):
         self.workers = workers
         self.router = router
+        self.pki = pki
         self.client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused",
                                     max_retries=0, timeout=60)
 
@@ -86,20 +111,23 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     d = tmp_path_factory.mktemp("cluster")
+    ca = CertAuthority(d, "ca")
+    pki = Pki(ca.cert, ca.issue("worker", server=True), ca.issue("front", server=False))
     wcfg = write_config("worker.toml", d / "worker.toml", model_dir=model_dir)
     procs: list[Proc] = []
     try:
-        workers = [Worker(f"worker-{x}", wcfg, free_port(), d) for x in "ab"]
+        workers = [Worker(f"worker-{x}", wcfg, free_port(), d, pki) for x in "ab"]
         procs += workers
         for w in workers:  # both start at once; the second finds the first's compiled buckets
             if not wait_for(w.is_ready, 300, 0.25):
                 w.fail("not ready")
         port = free_port()
         rcfg = write_config("router.toml", d / "router.toml", port=port, model_dir=model_dir,
-                            worker_a=workers[0].port, worker_b=workers[1].port)
-        router = HttpServer("router", rcfg, port, d)
+                            worker_a=workers[0].port, worker_b=workers[1].port, tls_ca=pki.ca,
+                            tls_cert=pki.client.cert, tls_key=pki.client.key)
+        router = HttpServer("router", rcfg, port, d, env={DEFAULT_TOKEN_ENV: TOKEN})
         procs.append(router)
-        yield Cluster(workers, router.wait_ready(60))
+        yield Cluster(workers, router.wait_ready(60), pki)
         assert router.alive, router.log_tail()
     finally:
         codes = {p.name: p.stop() for p in procs}
@@ -129,6 +157,19 @@ def test_grpc_streams_the_tokens_http_returns_for_the_same_seed(cluster, tokeniz
         assert msgs[-1].usage.completion_tokens == len(ids) == r.usage.completion_tokens
         assert msgs[-1].usage.prompt_tokens == len(prompt) == r.usage.prompt_tokens
         assert [lp.token_id for m in msgs for lp in m.logprobs] == ids
+
+
+def test_a_worker_turns_away_callers_without_the_token_or_tls(cluster):
+    w = cluster.workers[0]
+    request = pb.GetStatsRequest(model=MODEL)
+    with grpc.secure_channel(w.address, cluster.pki.client_credentials(token=None)) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.GenerationStub(ch).GetStats(request, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with grpc.insecure_channel(w.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.GenerationStub(ch).GetStats(request, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_grpc_deadline_aborts_and_frees_blocks(cluster, tokenizer):

@@ -6,7 +6,10 @@ loop's.
        async for event in queue <───── call_soon_threadsafe(queue.put_nowait, event)
     abort(id)   ─ inbox(abort) ──────> LLMEngine.abort (frees blocks at the next turn)
 
-The LLMEngine is touched only by the engine thread.  A consumer that stops iterating (client
+The LLMEngine is touched only by the engine thread.  A request holds its id until the thread has
+delivered its final event; a submit reusing the id of an aborted request meanwhile waits for
+that (the thread handles the abort at its next turn) rather than being refused, and a submit
+reusing a running request's id is refused.  A consumer that stops iterating (client
 gone, cancelled task) aborts its request.  An exception in a device step fails the requests that
 were in flight and the loop keeps serving the rest.
 
@@ -25,12 +28,13 @@ reports through `wait_failed()` (the server then stops serving).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from xlaserve.serving.engine.config import EngineConfig
@@ -46,8 +50,13 @@ POLL_S = 0.001          # how often the wait for the launch window checks the de
 
 @dataclass
 class _Waiter:
+    """A submitted request's consumer: where its events go, and whether it still holds its id."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[EngineEvent]
+    aborted: bool = False    # an abort is on its way to the engine thread
+    # done once the thread has let go of the request (delivered its final event, or failed it)
+    released: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 
 
 class AsyncEngine:
@@ -139,9 +148,11 @@ class AsyncEngine:
     # -- the async API -------------------------------------------------------------------------
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
-        """Stream the request's events; the last one has `finish_reason` set."""
+        """Stream the request's events; the last one has `finish_reason` set.  Raises
+        ValueError when a running request has the same id."""
         waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
         rid = request.request_id
+        await self._aborted_released(rid)
         with self._wake:   # atomic with _fail_for_good: a waiter is either failed or refused
             refused = self.fatal_error
             if refused is None:
@@ -164,10 +175,21 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._post("abort", rid)
+                self._post_abort(rid)
 
     async def abort(self, request_id: str) -> None:
-        self._post("abort", request_id)
+        self._post_abort(request_id)
+
+    async def _aborted_released(self, rid: str) -> None:
+        """Wait while `rid` is held by an aborted request the engine thread has not let go of
+        (its abort event would otherwise reach the new request's stream)."""
+        while True:
+            with self._wake:
+                old = self._waiters.get(rid)
+            if old is None or not old.aborted:
+                return
+            # shielded: a cancelled wait must not cancel the future others wait on too
+            await asyncio.shield(asyncio.wrap_future(old.released))
 
     def stats(self) -> EngineStats:
         """The snapshot the engine thread took after its latest step (no cross-thread reads
@@ -191,9 +213,12 @@ class AsyncEngine:
 
     # -- the engine thread ---------------------------------------------------------------------
 
-    def _post(self, kind: str, payload: Any) -> None:
+    def _post_abort(self, rid: str) -> None:
         with self._wake:
-            self._inbox.append((kind, payload))
+            waiter = self._waiters.get(rid)
+            if waiter is not None:
+                waiter.aborted = True
+            self._inbox.append(("abort", rid))
             self._wake.notify()
 
     def _deliver(self, event: EngineEvent) -> None:
@@ -203,6 +228,8 @@ class AsyncEngine:
         if event.finished:
             self._waiters.pop(event.request_id, None)
         waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, event)
+        if event.finished:
+            waiter.released.set_result(None)
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -289,6 +316,7 @@ class AsyncEngine:
         for rid, waiter in waiters.items():
             event = EngineEvent(rid, finish_reason="error", error=error)
             waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, event)
+            waiter.released.set_result(None)
         for loop, future in failure_waiters:
             loop.call_soon_threadsafe(_resolve, future, error)
 

@@ -5,8 +5,10 @@ The tokenizer stays local (the front end tokenizes and renders chat templates it
 step costs and readiness are polled every `poll_interval` seconds and served from that cache
 (stats() must be cheap); a call failing with UNAVAILABLE marks the replica not ready at once,
 so the router stops picking it before the next poll.  Closing a stream early cancels the call,
-which makes the worker abort the request; abort() also sends an explicit Abort.  The channel is opened in the event loop
-that serves (`start()`), since grpc.aio channels belong to one loop.
+which makes the worker abort the request; abort() also sends an explicit Abort.  The channel is
+opened in the event loop that serves (`start()`), since grpc.aio channels belong to one loop:
+a secure one with `credentials` (TLS, a client certificate, the bearer token: see auth.py's
+`channel_credentials`), a plain one without.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from xlaserve.serving.types import EngineEvent, GenerationRequest
 
 
 class RemoteEngine:
-    def __init__(self, target: str, model_name: str, tokenizer: Tokenizer,
+    def __init__(self, target: str, model_name: str, tokenizer: Tokenizer, *,
+                 credentials: grpc.ChannelCredentials | None = None,
                  poll_interval: float = 0.5, connect_timeout: float = 30.0):
         self.target = target
+        self.credentials = credentials
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = 0
@@ -54,7 +58,9 @@ class RemoteEngine:
         """Open the channel, learn max_model_len, start polling stats."""
         if self._channel is not None:
             return
-        self._channel = grpc.aio.insecure_channel(self.target)
+        self._channel = (grpc.aio.secure_channel(self.target, self.credentials)
+                         if self.credentials is not None
+                         else grpc.aio.insecure_channel(self.target))
         self._stub = pb_grpc.GenerationStub(self._channel)
         # wait_for_ready: a worker still starting up is waited for (up to connect_timeout)
         # instead of failing the server's start on the first refused connection.

@@ -2,11 +2,17 @@
 engines, plus the standard grpc.health.v1 service (SERVING once every engine is ready).
 
 Generate streams the engine's events; if the client cancels the call or its deadline passes,
-grpc cancels the handler and the `finally` aborts the engine request, freeing its blocks.
+grpc cancels the handler and the `finally` aborts the engine request, freeing its blocks.  A
+request id stays reserved (another Generate with it gets ALREADY_EXISTS) until its request's
+abort is in the engine's hands; the engine then holds a request reusing the id until it has
+let go of the old one.
+
 `worker_main` runs a local engine behind this server (`xlaserve worker`), the replica a
 front-end router reaches through `RemoteEngine`.  This is the internal, worker-side protocol:
-it has no gateway (no JWT, no rate limits), so bind it to loopback or a private network; public
-traffic goes through the HTTP front end.
+it has no gateway (no JWT, no rate limits, tenant and tier are the caller's word), so public
+traffic goes through the HTTP front end and the worker admits only the front end: TLS, client
+certificates and a bearer token (`WorkerAuth`, drawn in auth.py).  Without credentials it
+binds loopback only; the flags are checked before the engine is built.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import secrets
+import signal
 import sys
 from collections.abc import AsyncIterator, Mapping
 
@@ -25,8 +32,15 @@ from grpc_health.v1._async import HealthServicer
 from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
+from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV, WorkerAuth
 from xlaserve.serving.grpc.convert import event_to_pb, sampling_from_pb, stats_to_pb, tier_from_pb
-from xlaserve.serving.types import GenerationRequest
+from xlaserve.serving.server_config import (
+    ServedModel,
+    load_config,
+    target_host,
+    with_model_overrides,
+)
+from xlaserve.serving.types import EngineEvent, GenerationRequest
 
 SERVICE = "xlaserve.v1.Generation"
 
@@ -80,15 +94,26 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     finished = True
                     break
         finally:
-            self.inflight.discard(rid)
-            if not finished:  # cancelled, deadline, or the engine stream broke
-                abort = asyncio.ensure_future(engine.abort(rid))
-                with contextlib.suppress(BaseException):  # the original exception goes on
-                    await asyncio.shield(abort)
+            # a task of its own: a second cancellation of this handler cannot leave the id
+            # reserved for good
+            end = asyncio.ensure_future(self._end(engine, rid, stream, finished))
+            with contextlib.suppress(BaseException):  # the original exception goes on
+                await asyncio.shield(end)
+
+    async def _end(self, engine: AsyncEngine, rid: str, stream: AsyncIterator[EngineEvent],
+                   finished: bool) -> None:
+        """Abort the request unless it finished (cancelled, deadline, or the engine stream
+        broke), close its stream, and only then free its id: a request reusing the id earlier
+        could be hit by this one's abort."""
+        try:
+            if not finished:
+                with contextlib.suppress(Exception):
+                    await engine.abort(rid)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
-                with contextlib.suppress(BaseException):
-                    await aclose()
+                await aclose()
+        finally:
+            self.inflight.discard(rid)
 
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
@@ -123,15 +148,18 @@ async def _watch_health(health: HealthServicer, engines: Mapping[str, AsyncEngin
         await asyncio.sleep(0.25)
 
 
-async def start_grpc_server(engines: Mapping[str, AsyncEngine], address: str
+async def start_grpc_server(engines: Mapping[str, AsyncEngine], address: str,
+                            auth: WorkerAuth = WorkerAuth()
                             ) -> tuple[grpc.aio.Server, int, asyncio.Task[None]]:
-    """Start serving on `address` ("host:port", port 0 = any); returns (server, port, health
-    watcher task).  Call `server.stop(grace)` and cancel the task to shut down."""
-    server = grpc.aio.server()
+    """Start serving on `address` ("host:port", port 0 = any) with `auth`'s credentials (the
+    default: none, loopback only); returns (server, port, health watcher task).  Call
+    `server.stop(grace)` and cancel the task to shut down."""
+    auth.check_bind(target_host(address))
+    server = grpc.aio.server(interceptors=auth.interceptors())
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engines), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(address)
+    port = auth.add_port(server, address)
     if port == 0:
         raise ValueError(f"gRPC: could not bind {address!r}")
     await server.start()
@@ -140,12 +168,12 @@ async def start_grpc_server(engines: Mapping[str, AsyncEngine], address: str
 
 
 async def serve_grpc(engines: Mapping[str, AsyncEngine], address: str,
-                     shutdown: asyncio.Event) -> None:
+                     shutdown: asyncio.Event, auth: WorkerAuth = WorkerAuth()) -> None:
     for e in engines.values():
         start = getattr(e, "start", None)
         if start is not None:
             await start()
-    server, _, watcher = await start_grpc_server(engines, address)
+    server, _, watcher = await start_grpc_server(engines, address, auth)
     try:
         await shutdown.wait()
     finally:
@@ -153,46 +181,75 @@ async def serve_grpc(engines: Mapping[str, AsyncEngine], address: str,
         await server.stop(5)
 
 
-def worker_main(argv: list[str] | None = None) -> int:
-    """`xlaserve worker --config C --model NAME[@VERSION] [--host H] [--port P]`: build the
-    model's local engine (its `engine` factory in the config) and serve it over gRPC."""
-    from xlaserve.serving.http.server import _import
-    from xlaserve.serving.server_config import load_config, with_model_overrides
-
-    p = argparse.ArgumentParser(prog="xlaserve worker")
+def _parse_worker_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="xlaserve worker",
+        epilog="Credentials (see xlaserve/serving/grpc/auth.py): without a token or "
+               "--tls-client-ca the worker binds loopback only; beyond loopback it needs TLS.")
     p.add_argument("--config", required=True)
     p.add_argument("--model", required=True, help="model name or name@version in the config")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--dtype", help="weight dtype (float32 | bfloat16 | float16): sets the "
                                    "model's dtype")
-    args = p.parse_args(argv)
+    p.add_argument("--tls-cert", default="", metavar="PEM",
+                   help="certificate (chain): serve TLS")
+    p.add_argument("--tls-key", default="", metavar="PEM", help="private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default="", metavar="PEM",
+                   help="CA certificate: require client certificates it signed (mTLS)")
+    p.add_argument("--token-env", metavar="NAME",
+                   help=f"environment variable holding the bearer token every call must "
+                        f"carry (default: ${DEFAULT_TOKEN_ENV}, if set; a NAME given here "
+                        f"must be set)")
+    return p.parse_args(argv)
 
-    async def run() -> None:
-        config = with_model_overrides(load_config(args.config), dtype=args.dtype)
-        matches = [m for m in config.models if args.model in (m.id, m.name)]
-        if not matches:
-            raise ValueError(f"--model {args.model!r} not in {[m.id for m in config.models]}")
-        m = matches[0]
-        if not m.engine:
-            raise ValueError(f"models[{m.id}] has no engine factory ('module:function')")
-        built = _import(m.engine)(m)
-        engine = await built if asyncio.iscoroutine(built) else built
-        if isinstance(engine, (list, tuple)):  # factories build one engine per mesh replica
-            if len(engine) != 1:
-                raise ValueError(f"models[{m.id}]: a worker serves one replica, the factory "
-                                 f"built {len(engine)} (engine_args.mesh.replicas)")
-            engine = engine[0]
-        shutdown = asyncio.Event()
-        import signal
 
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, shutdown.set)
-        await serve_grpc({m.name: engine}, f"{args.host}:{args.port}", shutdown)
+def _worker_auth(args: argparse.Namespace) -> WorkerAuth:
+    """The credentials the flags name, refusing a bind they do not make safe."""
+    auth = WorkerAuth.load(args.tls_cert, args.tls_key, args.tls_client_ca, args.token_env)
+    auth.check_bind(args.host)
+    return auth
 
+
+async def _build_engine(m: ServedModel) -> AsyncEngine:
+    """The one local engine replica of `m`, built by its `engine` factory."""
+    from xlaserve.serving.http.server import _import
+
+    if not m.engine:
+        raise ValueError(f"models[{m.id}] has no engine factory ('module:function')")
+    built = _import(m.engine)(m)
+    engine = await built if asyncio.iscoroutine(built) else built
+    if isinstance(engine, (list, tuple)):  # factories build one engine per mesh replica
+        if len(engine) != 1:
+            raise ValueError(f"models[{m.id}]: a worker serves one replica, the factory "
+                             f"built {len(engine)} (engine_args.mesh.replicas)")
+        engine = engine[0]
+    return engine
+
+
+async def _serve_worker(args: argparse.Namespace, auth: WorkerAuth) -> None:
+    config = with_model_overrides(load_config(args.config), dtype=args.dtype)
+    matches = [m for m in config.models if args.model in (m.id, m.name)]
+    if not matches:
+        raise ValueError(f"--model {args.model!r} not in {[m.id for m in config.models]}")
+    m = matches[0]
+    engine = await _build_engine(m)
+    shutdown = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, shutdown.set)
+    await serve_grpc({m.name: engine}, f"{args.host}:{args.port}", shutdown, auth)
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """`xlaserve worker --config C --model NAME[@VERSION] [--host H] [--port P] [--tls-cert
+    PEM --tls-key PEM [--tls-client-ca PEM]] [--token-env NAME]`: check the credentials, then
+    build the model's local engine (its `engine` factory in the config) and serve it over
+    gRPC.  Exit code 2 for a bad flag, config or credential."""
+    args = _parse_worker_args(argv)
     try:
-        asyncio.run(run())
+        auth = _worker_auth(args)   # before the engine: that takes minutes to build
+        asyncio.run(_serve_worker(args, auth))
     except (ValueError, FileNotFoundError) as e:
         print(f"xlaserve worker: error: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
 Engines per model come from `[[models]] replicas`: "local" replicas are built by the factory
 named in `engine` ("module:function", called with the ServedModel, returning an AsyncEngine or
-an awaitable of one); "grpc://host:port" replicas are `RemoteEngine`s to an `xlaserve worker`.
+an awaitable of one); "grpc://host:port" replicas are `RemoteEngine`s to an `xlaserve worker`,
+dialled as the `[grpc]` table says (TLS, client certificate, token: serving/grpc/auth.py).
 
 Multi-host: a `[distributed]` table in the config file (or XLASERVE_COORDINATOR /
 XLASERVE_NUM_PROCESSES / XLASERVE_PROCESS_ID, see sharding/distributed.py) makes every host run
@@ -91,9 +92,13 @@ def _import(path: str) -> Any:
 
 
 async def build_engines(config: ServerConfig) -> dict[str, list[AsyncEngine]]:
+    from xlaserve.serving.grpc.auth import channel_credentials
     from xlaserve.serving.grpc.client import RemoteEngine
     from xlaserve.serving.tokenizer import Tokenizer
 
+    # every worker's credentials first: a missing file or token fails before any engine loads
+    credentials = {r: channel_credentials(config.grpc, r.removeprefix("grpc://"))
+                   for m in config.models for r in m.replicas if r != "local"}
     out: dict[str, list[AsyncEngine]] = {}
     for m in config.models:
         reps: list[AsyncEngine] = []
@@ -109,7 +114,7 @@ async def build_engines(config: ServerConfig) -> dict[str, list[AsyncEngine]]:
             else:
                 # started (channel opened) by the app in its serving loop
                 reps.append(RemoteEngine(r.removeprefix("grpc://"), m.name,
-                                         Tokenizer.load(m.path)))
+                                         Tokenizer.load(m.path), credentials=credentials[r]))
         out[m.id] = reps
     return out
 
