@@ -64,6 +64,19 @@ class _EngineCollector(Collector):
             g["prefill_tokens_per_second"].add_metric(lv, costs.prefill_tokens_per_s)
         yield from g.values()
         yield from c.values()
+        yield self._info()
+
+    def _info(self) -> Metric:
+        """One sample of 1 per local engine, labelled with what serves it (an engine behind gRPC
+        has no `kernels` here: its worker logs them at start-up)."""
+        keys = ("attention_backend", "platform", "dtype")
+        info = GaugeMetricFamily("xlaserve_engine_info", "Kernels a local engine serves with "
+                                 "(value 1)", labels=["model", "replica", *keys])
+        for model, replica, engine in self._sources():
+            kernels = getattr(engine, "kernels", None)
+            if isinstance(kernels, dict):
+                info.add_metric([model, replica, *(str(kernels.get(k, "")) for k in keys)], 1)
+        return info
 
 
 class Metrics:

@@ -6,7 +6,7 @@ or JSON file (presets in `configs/`).  Defaults live here; a file names only wha
                         audience, issuer
     [limits.<tier>]     requests_per_minute, tokens_per_minute, tokens_per_day  (0 = unlimited)
     [admission]         slo_wait_s.<tier>, max_queue_wait_s
-    [router]            block_size, affinity_blocks, overload_slack
+    [router]            block_size, prefix_blocks, shared_after, overload_slack
     [auto]              small, large, threshold_tokens   (the model "auto")
     [audit]             path, include_prompts
     [grpc]              tls_ca, tls_cert, tls_key, token_env   (how grpc:// replicas are dialled)
@@ -109,16 +109,19 @@ class AdmissionConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    block_size: int = 16        # tokens per KV block (prefix affinity hashes whole blocks)
-    affinity_blocks: int = 4    # how many leading blocks pick the preferred replica
-    overload_slack: int = 4     # leave the preferred replica when it has this many more
-                                # requests in flight than the least loaded one
+    block_size: int = 16        # tokens per KV block (the router matches whole blocks)
+    prefix_blocks: int = 64     # most leading blocks of a prompt matched against the replicas
+    shared_after: int = 4       # a block in this many routed prompts is a shared prefix (a
+                                # system prompt): it ties no prompt to the replica holding it
+    overload_slack: int = 4     # leave the replica holding the prefix when it has this many
+                                # more requests in flight than the least loaded one
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.affinity_blocks < 1 or self.overload_slack < 0:
-            raise ValueError(f"router: block_size={self.block_size}, affinity_blocks="
-                             f"{self.affinity_blocks} must be >= 1, overload_slack="
-                             f"{self.overload_slack} >= 0")
+        if min(self.block_size, self.prefix_blocks, self.shared_after) < 1 \
+                or self.overload_slack < 0:
+            raise ValueError(f"router: block_size={self.block_size}, prefix_blocks="
+                             f"{self.prefix_blocks}, shared_after={self.shared_after} must be "
+                             f">= 1, overload_slack={self.overload_slack} >= 0")
 
 
 @dataclass(frozen=True)

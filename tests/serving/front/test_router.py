@@ -13,7 +13,7 @@ from xlaserve.serving.server_config import AutoRouteConfig, RouterConfig, Served
 def test_affinity_spreading_and_overload(make_server, tokenizer):
     engines = [FakeEngine(tokenizer, "fake", token_delay=0.01) for _ in range(3)]
     cfg = ServerConfig(models=(ServedModel("fake"),),
-                       router=RouterConfig(block_size=4, affinity_blocks=2, overload_slack=3))
+                       router=RouterConfig(block_size=4, overload_slack=3))
     srv = make_server(cfg, {"fake@1": engines})
     prefixes = [f"Shared system prompt number {i} with enough words to fill blocks."
                 for i in range(12)]

@@ -74,6 +74,11 @@ def test_burst_admits_within_the_slo_and_429s_the_rest(burst_server):
     step_s = srv.metric("xlaserve_step_seconds")
     prefill_rate = srv.metric("xlaserve_prefill_tokens_per_second")
     assert step_s > 0 and prefill_rate > 0, "the engine measured no step costs"
+    assert srv.metric("xlaserve_engine_info", attention_backend="cpu", platform="cpu",
+                      dtype="float32") == 1          # `auto` on CPU: the CPU kernels
+    log = srv.log_path.read_text()
+    assert "attention backend: cpu on cpu, dtype float32 (requested auto)" in log, log[-2000:]
+    assert "step costs: " in log
     one_step = step_s + 128 / prefill_rate     # a step with a full 128-token prefill chunk
 
     ok = [r for r in results if r["status"] == 200]

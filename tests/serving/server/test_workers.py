@@ -231,6 +231,39 @@ def test_shared_prefix_conversation_sticks_to_one_replica(cluster):
     assert cached[0] == 0 and all(c >= 64 for c in cached[1:]), cached
 
 
+SHORT_CHATS = [("What is the capital of France?", "And of Italy?"),
+               ("Name a large planet.", "And a small one?"), ("What do bees make?", "Why?"),
+               ("What colour is grass?", "And the sky?"), ("How many legs has a cat?", "A bird?"),
+               ("Which ocean is the largest?", "The smallest?"), ("Say hi.", "Again."),
+               ("What is 2+2?", "And 3+3?"), ("Name a fruit.", "Another."),
+               ("What is ice?", "And steam?")] * 2
+
+
+def test_short_two_turn_chats_keep_their_replica_and_their_cache(cluster, tokenizer):
+    """20 short conversations under the default system prompt, every first turn before any
+    second: each second turn (whose prompt is longer than its first by the answer and a new
+    question) lands where its first turn ran, and finds that turn's prompt in its cache."""
+    def turn(messages: list[dict[str, str]]) -> object:
+        return cluster.client.chat.completions.create(model=MODEL, messages=messages,
+                                                      max_tokens=8, temperature=0)
+
+    conversations, first_on = [], []
+    for i, (q1, _) in enumerate(SHORT_CHATS):
+        messages = chat(f"{q1} ({i})")
+        per_worker, r = cluster.served_by(lambda m=messages: turn(m))
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        conversations.append(messages)
+        first_on.append(per_worker.index(1))
+    assert set(first_on) == {0, 1}, first_on     # new conversations spread over both
+    for messages, (_, q2), where in zip(conversations, SHORT_CHATS, first_on):
+        first_prompt = len(tokenizer.encode_chat(messages[:1]))
+        messages.append({"role": "user", "content": q2})
+        per_worker, r = cluster.served_by(lambda m=messages: turn(m))
+        assert per_worker.index(1) == where, (messages, per_worker, where)
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        assert cached >= first_prompt // 16 * 16, (messages, cached)
+
+
 def test_client_disconnect_at_the_router_frees_the_workers_blocks(cluster):
     """Closing an HTTP stream at the front end cancels the gRPC call; the worker aborts."""
     assert wait_for(lambda: all(w.idle() for w in cluster.workers), 10)
@@ -273,9 +306,20 @@ def stream(router: HttpServer, content: str, events: list[dict], errors: list[Ex
 
 def test_sigkill_of_a_replica_fails_its_requests_explicitly_and_routes_to_the_survivor(
         cluster):
-    # By their prefixes three of these prefer one replica (it runs two, the third waits there)
-    # and one the other replica.
-    prompts = [f"Count from {i} to {i + 300}, one number per line." for i in (1, 2, 3, 5)]
+    # Three of these extend a prompt one replica ran, one a prompt the other ran: by their
+    # prefixes three go to one (it runs two, the third waits there), one to the other.
+    lead = {}
+    for k in range(8):
+        intro = (f"Conversation {k}: you are a counting machine, and you print numbers, "
+                 "one per line, with nothing else at all, until you are told to stop.")
+        per_worker, _ = cluster.served_by(lambda m=chat(intro): cluster.client.chat.completions
+                                          .create(model=MODEL, messages=m, max_tokens=1))
+        lead.setdefault(per_worker.index(1), intro)
+        if len(lead) == 2:
+            break
+    assert len(lead) == 2, "every conversation went to one replica"
+    prompts = [f"{lead[0]} Count from {i} to {i + 300}." for i in (1, 2, 3)]
+    prompts.append(f"{lead[1]} Count from 5 to 305.")
     results: list[list[dict]] = [[] for _ in prompts]
     failures: list[Exception] = []
     threads = [threading.Thread(target=stream, args=(cluster.router, p, results[i], failures))

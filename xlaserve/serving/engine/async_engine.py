@@ -77,6 +77,11 @@ class AsyncEngine:
         self._stats = self._snapshot()
 
     @property
+    def kernels(self) -> dict[str, str]:
+        """Attention backend, platform and dtype the engine's runner serves with."""
+        return self.engine.runner.kernels
+
+    @property
     def spans_processes(self) -> bool:
         """Does this engine's mesh span several processes (driven from process 0)?"""
         return self.engine.runner.channel is not None

@@ -277,6 +277,9 @@ class Generation:
         for c in self.choices:
             c.replica.inflight -= 1
             st.engine_ids.discard(c.request.request_id)
+            if c.finish_reason in ("stop", "length"):   # its cache holds prompt + output
+                self.group.remember(c.replica, [*c.request.prompt_token_ids, *c.token_ids],
+                                    self.principal.tenant)
             st.metrics.requests.labels(self.group.id, c.finish_reason or "abort").inc()
         self.group.admission.release(self.ticket)
         st.update_admission_gauges()

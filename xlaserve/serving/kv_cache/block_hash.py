@@ -8,8 +8,8 @@ A block's hash covers its own token ids, the tenant salt and its parent's hash, 
 mean equal whole prefixes (not just equal blocks) for the same tenant. The digest is blake2b over
 an explicit byte encoding, so it is the same in every process and on every host.
 `prefix_block_hashes` gives a prompt's chain, which the cache manager looks up block by block.
-(The router's prefix affinity does not use these hashes: it keys on the prompt's leading raw
-token ids, serving/router/router.py `affinity_key`.)
+(The router does not use these hashes: it keeps its own in-process chain of the prompts' leading
+raw token ids, serving/router/prefix_index.py.)
 """
 
 from __future__ import annotations

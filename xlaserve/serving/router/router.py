@@ -3,27 +3,36 @@
     "smollm2"          -> the default version of smollm2
     "smollm2@2"        -> that version
     "auto"             -> AutoRouteConfig: prompt tokens <= threshold_tokens ? small : large
-    group.pick(prompt) -> a replica: the prefix-affinity choice (rendezvous hash of tenant +
-                          the prompt's first `affinity_blocks` full KV blocks, so prompts that
-                          share a prefix land where that prefix is cached), unless it has
-                          `overload_slack` more requests in flight than the least loaded
-                          replica, in which case the least loaded one.
+    group.pick(prompt) -> a replica: the one that was sent the longest leading run of the
+                          prompt's full KV blocks (prefix_index.py) reaching past the blocks
+                          most prompts share (those in `shared_after` routed prompts: a system
+                          prompt), unless it has `overload_slack` more requests in flight than
+                          the least loaded one; otherwise the least loaded one (fewest routed
+                          breaks ties)
+    group.remember(replica, tokens) -> a finished request's prompt + output blocks, which the
+                          replica's prefix cache now holds (a conversation's next turn
+                          extends them)
 
-Load is the router's own count of requests in flight per replica (exact, no polling) plus what
+So a conversation's next turn follows its previous one (its prompt extends that turn's prompt
+and answer), and new conversations that share only a system prompt spread by load.  Load is the
+router's own count of requests in flight per replica (exact, no polling) plus what
 the replica says is waiting in its engine (covers other routers sharing a remote replica).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from xlaserve.serving.admission import AdmissionController
 from xlaserve.serving.engine_api import AsyncEngine
+from xlaserve.serving.router.prefix_index import PrefixIndex, block_chain
 from xlaserve.serving.server_config import AutoRouteConfig, RouterConfig, ServedModel
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.serving.types import Tier
+
+
+INDEX_BLOCKS = 1 << 16   # block hashes remembered per replica (~10 MB): past a cache's size
 
 
 class RoutingError(Exception):
@@ -41,6 +50,7 @@ class Replica:
     engine: AsyncEngine
     inflight: int = 0
     routed: int = 0
+    prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(INDEX_BLOCKS))
 
     @property
     def load(self) -> int:
@@ -57,6 +67,7 @@ class ModelGroup:
     replicas: list[Replica]
     admission: AdmissionController
     router_config: RouterConfig = field(default_factory=RouterConfig)
+    blocks: PrefixIndex = field(default_factory=lambda: PrefixIndex(INDEX_BLOCKS))  # all picks
 
     @property
     def name(self) -> str:
@@ -78,24 +89,33 @@ class ModelGroup:
     def ready(self) -> bool:
         return any(r.engine.ready for r in self.replicas)
 
-    def affinity_key(self, prompt_ids: Sequence[int], tenant: str) -> bytes | None:
-        bs, nb = self.router_config.block_size, self.router_config.affinity_blocks
-        full = min(len(prompt_ids) // bs, nb) * bs
-        if full == 0:
-            return None  # no full block: nothing cacheable to be near
-        return tenant.encode() + b"\0" + b",".join(str(t).encode() for t in prompt_ids[:full])
+    def _chain(self, prompt_ids: Sequence[int], tenant: str) -> list[int]:
+        cfg = self.router_config
+        return block_chain(prompt_ids, tenant, cfg.block_size, cfg.prefix_blocks)
 
     def pick(self, prompt_ids: Sequence[int], tenant: str) -> Replica:
+        """The replica for a prompt (see the module docstring); it is remembered there."""
         live = [r for r in self.replicas if r.engine.ready] or self.replicas
         least = min(live, key=lambda r: (r.load, r.routed))
-        key = self.affinity_key(prompt_ids, tenant)
-        if key is None or len(live) == 1:
-            return least
-        preferred = max(live, key=lambda r: hashlib.blake2b(key + r.name.encode(),
-                                                            digest_size=8).digest())
-        if preferred.load - least.load >= self.router_config.overload_slack:
-            return least
-        return preferred
+        chain = self._chain(prompt_ids, tenant)
+        chosen = least
+        if chain and len(live) > 1:
+            shared = self.blocks.shared(chain, self.router_config.shared_after)
+            depth = {id(r): r.prefixes.matched(chain) for r in live}
+            best = max(depth.values())
+            if best > shared:
+                holder = min((r for r in live if depth[id(r)] == best),
+                             key=lambda r: (r.load, r.routed))
+                if holder.load - least.load < self.router_config.overload_slack:
+                    chosen = holder
+        chosen.prefixes.add(chain)
+        self.blocks.add(chain)
+        return chosen
+
+    def remember(self, replica: Replica, token_ids: Sequence[int], tenant: str) -> None:
+        """`replica` finished a request over `token_ids` (prompt + output): its cache holds
+        their full blocks."""
+        replica.prefixes.add(self._chain(token_ids, tenant))
 
 
 class Router:

@@ -165,6 +165,9 @@ class ModelRunner:
         platform = mesh.devices.flat[0].platform
         self.backend = resolve_backend(attention_backend, platform)
         log_backend(attention_backend, self.backend, platform, config.dtype)
+        # what serves, as /metrics labels it (xlaserve_engine_info)
+        self.kernels = {"attention_backend": self.backend, "platform": platform,
+                        "dtype": config.dtype}
         # The CPU kernels read only each row's real blocks: one table width serves every step.
         self.buckets = buckets.single_width() if self.backend == "cpu" else buckets
         self.replicated = NamedSharding(mesh, PartitionSpec())
