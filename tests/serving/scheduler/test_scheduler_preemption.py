@@ -84,6 +84,21 @@ def test_victim_already_scheduled_this_step_is_rolled_back(
     assert p.num_tokens == 4
 
 
+def test_a_chunk_that_does_not_fit_shrinks_instead_of_preempting(
+        make: Callable[..., Scheduler]) -> None:
+    s = make(num_kv_blocks=5, max_prefill_chunk=8)       # 4 usable blocks of 4 tokens
+    s.add(req("old", prompt(10, 2), max_tokens=8, arrival=0.0))
+    assert rows(step(s)) == [("old", 0, 2, True)]
+    s.add(req("long", prompt(20, 14), max_tokens=2, arrival=1.0))
+    assert rows(step(s)) == [("old", 2, 1, True), ("long", 0, 8, False)]   # 1 block left
+    # long's next 6 tokens need 2 blocks: it takes the 4 tokens the last block holds rather
+    # than preempting (it would have been its own victim: the latest arrival)
+    p = step(s)
+    assert p.preempted == () and rows(p) == [("old", 3, 1, True), ("long", 8, 4, False)]
+    while s.has_unfinished:                              # and everything still completes
+        step(s)
+
+
 def test_everything_completes_under_pressure(make: Callable[..., Scheduler]) -> None:
     s = make(num_kv_blocks=9, max_num_batched_tokens=16, max_prefill_chunk=8)
     for i in range(6):

@@ -96,6 +96,13 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def room(self, request_id: str) -> int:
+        """How many more tokens `request_id` could get now: the free slots of its last block
+        and every block the pool can allocate."""
+        state = self._get(request_id)
+        spare = len(state.table) * self.block_size - state.num_tokens
+        return spare + self.pool.num_allocatable_blocks * self.block_size
+
     def block_table(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._get(request_id).table)
 

@@ -31,7 +31,6 @@ from xlaserve.serving.server_config import AutoRouteConfig, RouterConfig, Served
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.serving.types import Tier
 
-
 INDEX_BLOCKS = 1 << 16   # block hashes remembered per replica (~10 MB): past a cache's size
 
 

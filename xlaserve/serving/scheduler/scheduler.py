@@ -18,8 +18,9 @@ past them, so nothing is emitted twice). Order within a step:
        computing it again: n > 1 completions of one prompt, or many requests arriving together
        with one system prompt, compute the shared prefix once and then hit it.
 
-A running sequence that cannot get blocks preempts the lowest-priority, latest running sequence
-(possibly itself) until it fits: blocks freed, num_computed_tokens = 0, back to waiting ahead of
+A running prefill chunk that does not fit shrinks to the blocks the pool has left; a running
+sequence that cannot get even one token's block preempts the lowest-priority, latest running
+sequence (possibly itself) until it fits: blocks freed, num_computed_tokens = 0, back to waiting ahead of
 its equal-priority peers. `add` rejects a request that could not fit the pool even alone.
 
 Pipelining. `schedule()` may run again before the previous plan's samples are known. A row that
@@ -172,8 +173,9 @@ class Scheduler:
             if (seq.status is not SequenceStatus.RUNNING    # preempted earlier in this step
                     or seq.output_limit_reached(cfg.max_model_len, known_only=False)):
                 continue
-            n = min(cfg.max_prefill_chunk, draft.budget, seq.num_remaining)
-            if self._reserve_or_preempt(seq, n, draft, now):
+            n = self._reserve_or_preempt(
+                seq, min(cfg.max_prefill_chunk, draft.budget, seq.num_remaining), draft, now)
+            if n:
                 draft.add(seq, n)
         if not draft.preempted:
             self._admit(draft, now)
@@ -217,17 +219,21 @@ class Scheduler:
         for seq in self._seqs.values():
             del seq.all_token_ids[seq.num_known_tokens:]
 
-    def _reserve_or_preempt(self, seq: Sequence, n: int, draft: _Draft, now: float) -> bool:
-        """Reserve slots for n more tokens of running `seq`, preempting the lowest-priority,
-        latest running sequences until they fit; False when `seq` itself was the victim."""
+    def _reserve_or_preempt(self, seq: Sequence, n: int, draft: _Draft, now: float) -> int:
+        """Reserve slots for up to n more tokens of running `seq` and return how many: a
+        prefill chunk shrinks to the room the pool has; one with no room, or a decode,
+        preempts the lowest-priority, latest running sequences until it fits (0 when `seq`
+        itself was the victim)."""
         aging = self.config.aging_seconds
-        while not self.kv_cache.allocate_slots(seq.request_id, n):
+        while True:
+            fit = min(n, self.kv_cache.room(seq.request_id))
+            if fit and self.kv_cache.allocate_slots(seq.request_id, fit):
+                return fit
             victim = max(self._running.values(), key=lambda s: priority_key(s, now, aging))
             self._preempt(victim)
             draft.drop(victim)
             if victim is seq:
-                return False
-        return True
+                return 0
 
     def _admit(self, draft: _Draft, now: float) -> None:
         cfg = self.config
