@@ -30,7 +30,7 @@ from xlaserve.serving.types import Tier
 
 TIER_NAMES = {t.name.lower(): t for t in Tier}
 BUILTIN_ENGINE = "xlaserve.serving.engine.async_engine:build"  # engine_args: EngineConfig fields
-DTYPES = (None, "float32", "bfloat16", "float16")   # a served model's weight dtype
+DTYPES = (None, "auto", "float32", "bfloat16", "float16")   # a served model's weight dtype
 
 
 def parse_tier(name: str) -> Tier:
@@ -190,13 +190,13 @@ class ServedModel:
     max_inflight: int = 64        # per replica: requests handed to the engine at once
     max_queue: int = 256          # admission queue bound for the whole model
     engine_args: Mapping[str, Any] = field(default_factory=dict)
-    dtype: str | None = None      # float32 | bfloat16 | float16; None: the model folder's
-                                  # (bfloat16 suits a GPU; on CPU float32 is the fast one)
+    dtype: str | None = "auto"    # auto: float32 on CPU (its fast one), bfloat16 on a GPU;
+                                  # float32 | bfloat16 | float16; None: the model folder's
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"models[{self.name}].dtype={self.dtype!r}: choose from "
-                             f"{[d for d in DTYPES if d]} or leave it out")
+                             f"{[d for d in DTYPES if d]} (left out: auto)")
         if not self.name or "@" in self.name or self.name == "auto":
             raise ValueError(f"models.name={self.name!r}: must be non-empty, without '@', "
                              "and not 'auto'")

@@ -12,6 +12,7 @@ from tests.multidevice.engine_workload import save_model_folder
 from tests.serving.engine.conftest import TINY_CONFIG
 from xlaserve.models.llama import init_params
 from xlaserve.serving.engine.async_engine import build
+from xlaserve.serving.engine.replicas import serving_dtype
 from xlaserve.serving.server_config import (BUILTIN_ENGINE, ServedModel, ServerConfig,
                                              with_model_overrides)
 
@@ -22,7 +23,7 @@ ENGINE_ARGS = {"max_model_len": 64, "block_size": 16, "num_kv_blocks": 8, "max_n
 def test_the_dtype_reaches_the_engine(tmp_path, model_dir) -> None:
     folder = save_model_folder(tmp_path / "tiny", init_params(TINY_CONFIG, 0), TINY_CONFIG,
                                model_dir)
-    for dtype, want in ((None, jnp.float32), ("bfloat16", jnp.bfloat16)):
+    for dtype, want in ((None, jnp.float32), ("auto", jnp.float32), ("bfloat16", jnp.bfloat16)):
         served = ServedModel(name="tiny", path=str(folder), engine=BUILTIN_ENGINE,
                              engine_args=ENGINE_ARGS, dtype=dtype)
         (engine,) = build(served)
@@ -42,10 +43,18 @@ def test_command_line_sets_every_model() -> None:
     assert [m.dtype for m in config.models] == ["bfloat16", "bfloat16"]
     assert config.models[0].engine_args == {"max_num_seqs": 4, "mesh": "configs/tp2.toml"}
     same = with_model_overrides(ServerConfig(models=models))
-    assert [m.dtype for m in same.models] == [None, "float16"]
+    assert [m.dtype for m in same.models] == ["auto", "float16"]
 
 
 def test_an_unknown_dtype_is_refused_with_its_value() -> None:
     with pytest.raises(ValueError, match=r"models\[m\]\.dtype='int8': choose from "
-                                         r"\['float32', 'bfloat16', 'float16'\]"):
+                                         r"\['auto', 'float32', 'bfloat16', 'float16'\]"):
         ServedModel(name="m", dtype="int8")
+
+
+def test_auto_is_float32_on_the_cpu_and_bfloat16_on_accelerators() -> None:
+    assert serving_dtype("auto", "cpu") == "float32"
+    assert serving_dtype("auto", "gpu") == "bfloat16"
+    assert serving_dtype("auto", "tpu") == "bfloat16"
+    assert serving_dtype(None, "gpu") is None            # the model folder's
+    assert serving_dtype("float16", "cpu") == "float16"

@@ -333,7 +333,7 @@ def _resolve(future: asyncio.Future[str], value: str) -> None:
 
 def build(served: Any) -> list[AsyncEngine]:
     """The server's engine factory (`engine = "xlaserve.serving.engine.async_engine:build"`):
-    load the model folder `served.path` (in `served.dtype`, else the folder's) and wrap
+    load the model folder `served.path` (in `served.dtype`: replicas.serving_dtype) and wrap
     continuous-batching engines configured by `served.engine_args` (EngineConfig fields;
     `mesh` is a table {pipeline, tensor, replicas} or the path of a preset such as
     configs/tp2.toml).  One engine per mesh replica; each compiles its buckets on its own

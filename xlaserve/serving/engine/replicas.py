@@ -37,13 +37,22 @@ def load_replicas(folder: str | Path, engine_config: EngineConfig, *, dtype: str
 
     Raises ValueError (with the numbers) when the devices do not suffice or the model cannot be
     laid out on the mesh, before reading any parameter."""
-    config = load_config(folder, dtype)
-    tokenizer = Tokenizer.load(folder)
     meshes = make_replica_meshes(engine_config.mesh, devices)
+    config = load_config(folder, serving_dtype(dtype, meshes[0].devices.flat[0].platform))
+    tokenizer = Tokenizer.load(folder)
     if jax.process_count() > 1:
         check_multihost_meshes(engine_config, meshes)
     return [LoadedModel(config, load_params(folder, config, mesh), tokenizer, mesh)
             for mesh in meshes]
+
+
+def serving_dtype(dtype: str | None, platform: str) -> str | None:
+    """The weight dtype to serve in: "auto" is float32 on the CPU (XLA:CPU's bfloat16 is
+    slower, BENCHMARKS.md) and bfloat16 on an accelerator (half the bytes a step reads); None
+    keeps the model folder's; anything else is taken as it is."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if platform == "cpu" else "bfloat16"
 
 
 def check_multihost_meshes(engine_config: EngineConfig, meshes: Sequence[Mesh]) -> None:

@@ -190,8 +190,8 @@ def _parse_worker_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="model name or name@version in the config")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--dtype", help="weight dtype (float32 | bfloat16 | float16): sets the "
-                                   "model's dtype")
+    p.add_argument("--dtype", help="weight dtype (auto | float32 | bfloat16 | float16; auto: "
+                                   "float32 on CPU, bfloat16 on GPU): sets the model's dtype")
     p.add_argument("--tls-cert", default="", metavar="PEM",
                    help="certificate (chain): serve TLS")
     p.add_argument("--tls-key", default="", metavar="PEM", help="private key of --tls-cert")

@@ -236,8 +236,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, help="override server.port")
     p.add_argument("--mesh", help="device layout preset for every local model "
                                   "(e.g. configs/tp2.toml): sets engine_args.mesh")
-    p.add_argument("--dtype", help="weight dtype of every model (float32 | bfloat16 | float16): "
-                                   "sets models.dtype")
+    p.add_argument("--dtype", help="weight dtype of every model (auto | float32 | bfloat16 | "
+                                   "float16; auto: float32 on CPU, bfloat16 on GPU): sets "
+                                   "models.dtype")
     args = p.parse_args(argv)
     distributed: DistributedConfig | None = None
     try:
