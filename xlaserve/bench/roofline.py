@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.models.llama import Params
-from xlaserve.serving.runner.runner import PENDING, ModelRunner, RowInput
+from xlaserve.serving.runner.runner import ModelRunner
+from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
 
 
 @dataclass(frozen=True)
@@ -125,12 +126,12 @@ def decode_step_ms(runner: ModelRunner, prompt: tuple[int, ...], steps: int = 20
         raise ValueError(f"decode probe of {total} tokens exceeds the widest table "
                          f"({width_max} blocks)")
     slot = 1
-    call = runner.run([RowInput(prompt, 0, table[:-(-len(prompt) // bs)], slot)])
+    call = runner.run([runner.row(prompt, 0, table[:-(-len(prompt) // bs)], slot)])
     call.out.tokens.block_until_ready()
     times = []
     for k in range(steps):
         pos = len(prompt) + k
-        row = RowInput((PENDING,), pos, table[:pos // bs + 1], slot)
+        row = runner.row((PENDING_TOKEN,), pos, table[:pos // bs + 1], slot)
         start = time.perf_counter()
         call = runner.run([row])
         call.out.tokens.block_until_ready()

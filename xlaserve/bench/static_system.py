@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from xlaserve.bench.metrics import Clock, KVWasteMeter, RequestOutcome, SystemResult
 from xlaserve.bench.workload import BenchRequest, Workload
 from xlaserve.serving.runner.compile_counter import CompileCounter
-from xlaserve.serving.runner.runner import PENDING, CallResult, ModelRunner, RowInput
+from xlaserve.serving.runner.runner import CallResult, ModelRunner, RowInput
+from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
 
 
 class BlockAllocator:
@@ -154,7 +155,7 @@ class StaticBatcher:
             def launch() -> None:
                 call = runner.run([inp for _, inp in part])
                 calls.append((call, [(j, row) for j, (row, inp) in enumerate(part)
-                                     if inp.sample]))
+                                     if inp.seq.sample]))
                 part.clear()
 
             for row in rows:
@@ -162,9 +163,9 @@ class StaticBatcher:
                 n = min(self.chunk, len(row.prompt) - w)
                 if n == 0:
                     continue
-                inp = RowInput(row.prompt[w:w + n], w, row.table[:_blocks(w + n, bs)],
-                               row.slot, sample=w + n == len(row.prompt))
-                if part and (sum(len(i.token_ids) for _, i in part) + n > most_tokens
+                inp = runner.row(row.prompt[w:w + n], w, row.table[:_blocks(w + n, bs)],
+                                 row.slot, sample=w + n == len(row.prompt))
+                if part and (sum(i.seq.num_tokens for _, i in part) + n > most_tokens
                              or len(part) == most_rows):
                     launch()
                     steps += 1
@@ -181,8 +182,8 @@ class StaticBatcher:
         longest = max(row.request.num_output_tokens for row in rows)
         previous: CallResult | None = None
         for k in range(1, longest):
-            inputs = [RowInput((PENDING,), len(row.prompt) + k - 1,
-                               row.table[:_blocks(len(row.prompt) + k, bs)], row.slot)
+            inputs = [runner.row((PENDING_TOKEN,), len(row.prompt) + k - 1,
+                                 row.table[:_blocks(len(row.prompt) + k, bs)], row.slot)
                       for row in rows]
             call = runner.run(inputs)
             for row in rows:

@@ -38,7 +38,8 @@ import numpy as np
 
 from xlaserve.bench.roofline import decode_read_bytes
 from xlaserve.models.config import ModelConfig
-from xlaserve.serving.runner.runner import PENDING, ModelRunner, RowInput
+from xlaserve.serving.runner.runner import ModelRunner, RowInput
+from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
 
 
 def _median(fn: Callable[[], Any], repeats: int) -> float:
@@ -180,7 +181,7 @@ def decode_rows(runner: ModelRunner, rows: int, context: int, width: int) -> lis
     values are whatever the cache holds: timing does not depend on them)."""
     if context + 1 > width * runner.block_size:
         raise ValueError(f"context {context} does not fit a table of {width} blocks")
-    return [RowInput((PENDING,), context, _table(runner, r, width), r + 1)
+    return [runner.row((PENDING_TOKEN,), context, _table(runner, r, width), r + 1)
             for r in range(rows)]
 
 
@@ -190,7 +191,7 @@ def time_rows(runner: ModelRunner, rows: list[RowInput], repeats: int) -> float:
 
 def time_pipelined(runner: ModelRunner, rows: list[RowInput], steps: int) -> float:
     """ms per step over `steps` calls, each launched before the previous one is fetched (the
-    engine's pipelined loop: rows whose token is PENDING read it from the device)."""
+    engine's pipelined loop: rows whose token is PENDING_TOKEN read it from the device)."""
     runner.run(rows).fetch()
     start = time.perf_counter()
     last = runner.run(rows)
@@ -205,7 +206,7 @@ def time_pipelined(runner: ModelRunner, rows: list[RowInput], steps: int) -> flo
 def measure_step(runner: ModelRunner, kind: str, rows: list[RowInput], context: int,
                  repeats: int, read: float, gemm: float, breakdown: bool) -> StepRow:
     c = runner.config
-    tokens = sum(len(r.token_ids) for r in rows)
+    tokens = sum(r.seq.num_tokens for r in rows)
     if kind == "decode":
         keys, distinct = context + 1, len(rows) * context
     else:
@@ -235,9 +236,9 @@ def run_steps(runner: ModelRunner, *, decode_batches: list[int], width: int, con
     probes.update(copy=copy, **{f"gemm_{k}": v for k, v in gemm.items()})
     shapes = sorted({runner.bucket(decode_rows(runner, b, context, width))
                      for b in decode_batches}
-                    | {runner.bucket([RowInput(tuple(range(1, n + 1)), 0,
-                                               _table(runner, 0, -(-n // runner.block_size)),
-                                               1)])
+                    | {runner.bucket([runner.row(tuple(range(1, n + 1)), 0,
+                                                 _table(runner, 0, -(-n // runner.block_size)),
+                                                 1)])
                        for n in prefill_chunks})
     runner.warmup(shapes)
     out = []
@@ -246,8 +247,8 @@ def run_steps(runner: ModelRunner, *, decode_batches: list[int], width: int, con
                                 context, repeats, read_bw, gemm_best, breakdown))
         print(describe_row(out[-1]), flush=True)
     for n in prefill_chunks:
-        rows = [RowInput(tuple(range(1, n + 1)), 0,
-                         _table(runner, 0, -(-n // runner.block_size)), 1)]
+        rows = [runner.row(tuple(range(1, n + 1)), 0,
+                           _table(runner, 0, -(-n // runner.block_size)), 1)]
         out.append(measure_step(runner, "prefill", rows, 0, max(3, repeats // 2), read_bw,
                                 gemm_best, breakdown))
         print(describe_row(out[-1]), flush=True)

@@ -23,8 +23,13 @@ import numpy as np
 
 from xlaserve.kernels.attention import attention
 from xlaserve.kernels.matmul import gated_matmul, layer_matmul
-from xlaserve.models.llama import (AttentionMetadata, _as_matrix,
-                                   attention_backend_uses_kernels, output_logits, rms_norm)
+from xlaserve.models.llama import (
+    AttentionMetadata,
+    _as_matrix,
+    attention_backend_uses_kernels,
+    output_logits,
+    rms_norm,
+)
 from xlaserve.serving.runner.runner import ModelRunner, RowInput
 from xlaserve.serving.runner.sampling import SamplingArrays
 

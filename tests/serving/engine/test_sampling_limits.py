@@ -4,7 +4,7 @@ int32) keeps every token, i.e. is off, and never fails the step (other requests'
 from __future__ import annotations
 
 from tests.serving.engine.conftest import collect, new_tiny_engine, request, tokens_of
-from xlaserve.serving.runner.runner import RowInput, RowSampling
+from xlaserve.serving.runner.runner import RowSampling
 from xlaserve.serving.types import MAX_INT32
 
 PROMPT = list(range(2000, 2012))
@@ -14,7 +14,7 @@ def test_runner_writes_top_k_past_the_vocabulary_as_off(warm_tiny) -> None:
     runner = warm_tiny.runner
     vocab = runner.config.vocab_size
     ks = [vocab - 1, vocab, MAX_INT32, 2 ** 40]
-    rows = [RowInput([5], 0, [i + 1], i + 1, True, RowSampling(temperature=1.0, top_k=k))
+    rows = [runner.row([5], 0, [i + 1], i + 1, True, RowSampling(temperature=1.0, top_k=k))
             for i, k in enumerate(ks)]
     host = runner.host_step(rows)   # a decode call
     assert host.top_k[:len(ks)].tolist() == [vocab - 1, 0, 0, 0]

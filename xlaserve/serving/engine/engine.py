@@ -234,8 +234,7 @@ class LLMEngine:
             sampling = RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                    min_p=s.min_p, seed=state.seed, counter=counter,
                                    bias=state.penalty_bias(), logprobs=s.logprobs is not None)
-        return RowInput(row.token_ids, row.start_position, row.block_table,
-                        self._slot(row.request_id), row.sample, sampling or RowSampling())
+        return RowInput(row, self._slot(row.request_id), sampling or RowSampling())
 
     def _launch(self, launched: _Launched) -> None:
         launched.call = self.runner.run([self._row(r) for r in launched.plan.rows])

@@ -57,9 +57,9 @@ class CostMeter:
         prefill_tokens = max(MIN_PREFILL_TOKENS,
                              min(prefill_tokens, most, runner.buckets.max_tokens))
         table = list(range(1, math.ceil((context + 1) / bs) + 1))
-        decode = [RowInput([0], context, table, slot) for slot in range(1, rows + 1)]
-        prefill = [RowInput([0] * prefill_tokens, 0,
-                            list(range(1, math.ceil(prefill_tokens / bs) + 1)), 1)]
+        decode = [runner.row([0], context, table, slot) for slot in range(1, rows + 1)]
+        prefill = [runner.row([0] * prefill_tokens, 0,
+                              list(range(1, math.ceil(prefill_tokens / bs) + 1)), 1)]
         step_s = _median_time(runner, decode, repeats[0])
         prefill_s = _median_time(runner, prefill, repeats[1])
         self.costs = ServiceCosts(rows, step_s, prefill_tokens / prefill_s)

@@ -15,7 +15,7 @@ class HostStep(NamedTuple):
     """One call's padded host inputs: T tokens of R rows, flat, block tables W wide.  Plain
     numpy, so process 0 can hand it to the other processes of a multi-host mesh as it is."""
 
-    tokens: np.ndarray        # [T] int32, PENDING = take from the token's row's token slot
+    tokens: np.ndarray        # [T] int32, PENDING_TOKEN = take from its row's token slot
     positions: np.ndarray     # [T] int32
     token_rows: np.ndarray    # [T] int32, -1 = padding
     slot_mapping: np.ndarray  # [T] int32, padding writes the null block

@@ -6,13 +6,13 @@
          (tokens of row 0, row 1, ..., then padding; see buckets.py)
       -> [multi-host: process 0 broadcasts the HostStep; every process runs the same call]
       -> two AOT-compiled calls on the mesh (inputs replicated on every device):
-         forward  tokens[PENDING] <- token_slots[row_slot[row]]  (the token sampled last step)
+         forward  tokens[PENDING_TOKEN] <- token_slots[row_slot[row]]  (sampled last step)
                   logits, kv = forward(...)                 (kv donated: updated in place)
                   one device: models.llama.forward; a bigger mesh: the shard_map forward
                   (sharding/parallel_forward.py), logits [R, V] split over `tensor`
                   logits -> replicated [R, V]               (an all-gather of R x V floats)
          sample   out = sample(logits)                      (per-row seeded sampling)
-                  token_slots[row_slot] <- out.tokens       (for the next step's PENDING)
+                  token_slots[row_slot] <- out.tokens  (for the next step's PENDING_TOKEN)
       -> device arrays, fetched by the caller when it needs them
 
 The forward is compiled per (rows, tokens, width) bucket, the sampler once per row count: the
@@ -53,10 +53,9 @@ from xlaserve.serving.runner.call_profile import CallProfile
 from xlaserve.serving.runner.host_step import HostStep
 from xlaserve.serving.runner.sampling import SampleOutput, SamplingArrays, sample
 from xlaserve.serving.runner.step_channel import Op, StepChannel
+from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq, slot_mapping
 from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.parallel_forward import Forward, make_sharded_forward
-
-PENDING = -1  # a token id still on device: the row's previous sampled token
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +91,12 @@ GREEDY = RowSampling()
 
 @dataclass(frozen=True)
 class RowInput:
-    """One sequence's share of a call."""
+    """One sequence's share of a call: its row of the step plan (PENDING_TOKEN inputs are
+    filled from the token slot), the token slot its sampled tokens live in on device (in
+    [1, max_num_seqs]), and how it samples.  `ModelRunner.row` makes one by hand."""
 
-    token_ids: Sequence[int]      # PENDING entries are filled from the sequence's token slot
-    start_position: int           # position of token_ids[0]
-    block_table: Sequence[int]    # covers positions [0, start_position + len(token_ids))
-    slot: int                     # the sequence's token slot, in [1, max_num_seqs]
-    sample: bool = True           # does this row produce a token (end of prompt, decode)?
+    seq: ScheduledSeq
+    slot: int
     sampling: RowSampling = GREEDY
 
 
@@ -127,7 +125,7 @@ def _forward_step(params: Params, kv: KVCache, token_slots: jax.Array, tokens: j
                   replicated: NamedSharding | None) -> tuple[KVCache, jax.Array]:
     # tokens, positions: [T]; logits_index, row_slot: [R] -> logits [R, V]
     pending = token_slots[row_slot[jnp.clip(meta.token_rows, 0, None)]]  # [T]
-    tokens = jnp.where(tokens == PENDING, pending, tokens)
+    tokens = jnp.where(tokens == PENDING_TOKEN, pending, tokens)
     logits, kv = forward(params, config, tokens, positions, kv, meta,
                          logits_index=logits_index, attention_backend=backend)  # [R, V(/tp)]
     if replicated is not None:   # gather the vocab shards: the sampler sees whole rows
@@ -320,12 +318,20 @@ class ModelRunner:
             raise RuntimeError(f"{what}: only process 0 drives a multi-host mesh; process "
                                f"{jax.process_index()} must call follow()")
 
+    def row(self, token_ids: Sequence[int], start_position: int, block_table: Sequence[int],
+            slot: int, sample: bool = True, sampling: RowSampling = GREEDY) -> RowInput:
+        """A row made by hand (benchmarks, calibration), as the scheduler would plan it."""
+        n = len(token_ids)
+        return RowInput(ScheduledSeq("", tuple(token_ids), start_position, tuple(block_table),
+                                     slot_mapping(block_table, start_position, n,
+                                                  self.block_size), sample), slot, sampling)
+
     def bucket(self, rows: Sequence[RowInput]) -> tuple[int, int, int]:
         """The (rows, tokens, width) bucket a call over `rows` runs in."""
         if not rows:
             raise ValueError("a call needs at least one row")
-        return self.buckets.fit(len(rows), sum(len(row.token_ids) for row in rows),
-                                max(len(row.block_table) for row in rows))
+        return self.buckets.fit(len(rows), sum(row.seq.num_tokens for row in rows),
+                                max(len(row.seq.block_table) for row in rows))
 
     def host_step(self, rows: Sequence[RowInput]) -> HostStep:
         """Lay `rows` out as one flat batch padded to its bucket: the host arrays of one call."""
@@ -352,23 +358,22 @@ class ModelRunner:
         bias: np.ndarray | None = None
         at = 0
         for i, row in enumerate(rows):
-            k = len(row.token_ids)
+            seq = row.seq
+            k = seq.num_tokens
             if k < 1:
                 raise ValueError(f"row {i} feeds no tokens")
-            table = np.asarray(row.block_table, np.int32)
-            pos = np.arange(row.start_position, row.start_position + k, dtype=np.int32)
-            if len(table) * bs < pos[-1] + 1:
-                raise ValueError(f"row {i}: block table of {len(table)} blocks cannot hold "
-                                 f"position {pos[-1]}")
-            tokens[at:at + k] = row.token_ids
-            positions[at:at + k] = pos
+            if len(seq.block_table) * bs < seq.end_position:
+                raise ValueError(f"row {i}: block table of {len(seq.block_table)} blocks cannot "
+                                 f"hold position {seq.end_position - 1}")
+            tokens[at:at + k] = seq.token_ids
+            positions[at:at + k] = np.arange(seq.start_position, seq.end_position, dtype=np.int32)
             token_rows[at:at + k] = i
-            slots[at:at + k] = table[pos // bs] * bs + pos % bs
-            tables[i, : len(table)] = table
+            slots[at:at + k] = seq.slot_mapping
+            tables[i, : len(seq.block_table)] = seq.block_table
             logits_index[i] = at + k - 1
             at += k
             row_slot[i] = row.slot
-            sample_mask[i] = row.sample
+            sample_mask[i] = seq.sample
             s = row.sampling
             temperature[i], top_p[i], min_p[i] = s.temperature, s.top_p, s.min_p
             top_k[i] = 0 if s.top_k >= vocab else s.top_k   # keeps every token: off (int32)

@@ -13,13 +13,8 @@ from xlaserve.serving.scheduler.config import SchedulerConfig
 from xlaserve.serving.scheduler.priority import effective_tier, priority_key, waiting_key
 from xlaserve.serving.scheduler.scheduler import FINISH_REASONS, Scheduler
 from xlaserve.serving.scheduler.scheduler_stats import SchedulerStats
-from xlaserve.serving.scheduler.sequence import (
-    PENDING_TOKEN,
-    RequestState,
-    Sequence,
-    SequenceStatus,
-)
-from xlaserve.serving.scheduler.step_plan import ScheduledSeq, StepPlan
+from xlaserve.serving.scheduler.sequence import RequestState, Sequence, SequenceStatus
+from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq, StepPlan
 
 __all__ = [
     "FINISH_REASONS",

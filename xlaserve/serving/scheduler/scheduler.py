@@ -20,8 +20,8 @@ past them, so nothing is emitted twice). Order within a step:
 
 A running prefill chunk that does not fit shrinks to the blocks the pool has left; a running
 sequence that cannot get even one token's block preempts the lowest-priority, latest running
-sequence (possibly itself) until it fits: blocks freed, num_computed_tokens = 0, back to waiting ahead of
-its equal-priority peers. `add` rejects a request that could not fit the pool even alone.
+sequence (possibly itself) until it fits: blocks freed, num_computed_tokens = 0, back to
+waiting ahead of its equal-priority peers. `add` rejects a request that could not fit the pool even alone.
 
 Pipelining. `schedule()` may run again before the previous plan's samples are known. A row that
 samples appends PENDING_TOKEN to its sequence at once, so the next step schedules it as a
@@ -55,13 +55,13 @@ from xlaserve.serving.kv_cache import KVCacheManager
 from xlaserve.serving.scheduler.config import SchedulerConfig
 from xlaserve.serving.scheduler.priority import priority_key, waiting_key
 from xlaserve.serving.scheduler.scheduler_stats import SchedulerStats
-from xlaserve.serving.scheduler.sequence import (
+from xlaserve.serving.scheduler.sequence import RequestState, Sequence, SequenceStatus
+from xlaserve.serving.scheduler.step_plan import (
     PENDING_TOKEN,
-    RequestState,
-    Sequence,
-    SequenceStatus,
+    ScheduledSeq,
+    StepPlan,
+    slot_mapping,
 )
-from xlaserve.serving.scheduler.step_plan import ScheduledSeq, StepPlan
 from xlaserve.serving.types import GenerationRequest
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -284,8 +284,7 @@ class Scheduler:
             table = self.kv_cache.block_table(rid)
             sample = start + n == seq.num_tokens
             row = ScheduledSeq(rid, tuple(seq.all_token_ids[start:start + n]), start, table,
-                               tuple(table[p // bs] * bs + p % bs for p in range(start, start + n)),
-                               sample)
+                               slot_mapping(table, start, n, bs), sample)
             seq.num_computed_tokens += n
             if sample:
                 seq.all_token_ids.append(PENDING_TOKEN)

@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
 from xlaserve.serving.types import GenerationRequest
-
-PENDING_TOKEN = -1  # a sampled token the host has not seen yet; the runner substitutes it
 
 
 class SequenceStatus(str, Enum):

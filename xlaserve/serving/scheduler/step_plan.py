@@ -7,11 +7,22 @@ Row r feeds token_ids at positions start_position .. end_position - 1, writes th
 slot_mapping (block_id * block_size + offset), attends over block_table, and when `sample`,
 samples the token for position end_position. A token equal to PENDING_TOKEN is the token this
 request sampled in the previous step, still on device: the runner substitutes it.
+`slot_mapping()` is the one place that turns positions into cache slots.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+PENDING_TOKEN = -1  # a sampled token the host has not seen yet; the runner substitutes it
+
+
+def slot_mapping(block_table: Sequence[int], start: int, n: int,
+                 block_size: int) -> tuple[int, ...]:
+    """The cache slots (block_id * block_size + offset) of positions start .. start + n - 1."""
+    return tuple(block_table[p // block_size] * block_size + p % block_size
+                 for p in range(start, start + n))
 
 
 @dataclass(frozen=True)
