@@ -5,6 +5,8 @@
       -> one flat batch padded to a bucket (rows, tokens, width): HostStep, plain numpy arrays
          (tokens of row 0, row 1, ..., then padding; see buckets.py)
       -> [multi-host: process 0 broadcasts the HostStep; every process runs the same call]
+      -> three int32 buffers (HostStep.packed: per row, per token, block tables), one transfer
+         each, unpacked inside
       -> two AOT-compiled calls on the mesh (inputs replicated on every device):
          forward  tokens[PENDING_TOKEN] <- token_slots[row_slot[row]]  (sampled last step)
                   logits, kv = forward(...)                 (kv donated: updated in place)
@@ -50,7 +52,7 @@ from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import AttentionMetadata, KVCache, Params, forward, pack_params
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.runner.call_profile import CallProfile
-from xlaserve.serving.runner.host_step import HostStep
+from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS, HostStep
 from xlaserve.serving.runner.sampling import SampleOutput, SamplingArrays, sample
 from xlaserve.serving.runner.step_channel import Op, StepChannel
 from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq, slot_mapping
@@ -119,12 +121,15 @@ class CallResult:
         return {name: np.asarray(v)[: self.rows] for name, v in host._asdict().items()}
 
 
-def _forward_step(params: Params, kv: KVCache, token_slots: jax.Array, tokens: jax.Array,
-                  positions: jax.Array, meta: AttentionMetadata, logits_index: jax.Array,
-                  row_slot: jax.Array, *, forward: Forward, config: ModelConfig, backend: str,
-                  replicated: NamedSharding | None) -> tuple[KVCache, jax.Array]:
-    # tokens, positions: [T]; logits_index, row_slot: [R] -> logits [R, V]
-    pending = token_slots[row_slot[jnp.clip(meta.token_rows, 0, None)]]  # [T]
+def _forward_step(params: Params, kv: KVCache, token_slots: jax.Array, rows: jax.Array,
+                  toks: jax.Array, tables: jax.Array, *, forward: Forward,
+                  config: ModelConfig, backend: str, replicated: NamedSharding | None
+                  ) -> tuple[KVCache, jax.Array]:
+    # rows: [ROW_FIELDS, R], toks: [TOKEN_FIELDS, T], tables: [R, W] (HostStep.packed)
+    tokens, positions, token_rows, slot_mapping = toks
+    logits_index, row_slot = rows[0], rows[1]
+    meta = AttentionMetadata(tables, token_rows, slot_mapping)
+    pending = token_slots[row_slot[jnp.clip(token_rows, 0, None)]]  # [T]
     tokens = jnp.where(tokens == PENDING_TOKEN, pending, tokens)
     logits, kv = forward(params, config, tokens, positions, kv, meta,
                          logits_index=logits_index, attention_backend=backend)  # [R, V(/tp)]
@@ -133,12 +138,19 @@ def _forward_step(params: Params, kv: KVCache, token_slots: jax.Array, tokens: j
     return kv, logits
 
 
-def _sample_step(logits: jax.Array, token_slots: jax.Array, row_slot: jax.Array,
-                 sample_mask: jax.Array, sampling: SamplingArrays
+def _sample_step(logits: jax.Array, token_slots: jax.Array, rows: jax.Array, bias: jax.Array
                  ) -> tuple[jax.Array, SampleOutput]:
-    # logits: [R, V]; row_slot, sample_mask: [R]
+    # logits: [R, V]; rows: [ROW_FIELDS, R] (HostStep.packed); bias: [R, V]
+    def f32(x: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(x, jnp.float32)
+
+    (_, row_slot, sample_mask, temperature, top_k, top_p, min_p, seed, counter,
+     logprobs) = rows
+    sampling = SamplingArrays(f32(temperature), top_k, f32(top_p), f32(min_p),
+                              jax.lax.bitcast_convert_type(seed, jnp.uint32), counter, bias,
+                              logprobs != 0)
     out = sample(logits, sampling)
-    token_slots = token_slots.at[jnp.where(sample_mask, row_slot, 0)].set(out.tokens)
+    token_slots = token_slots.at[jnp.where(sample_mask != 0, row_slot, 0)].set(out.tokens)
     return token_slots, out
 
 
@@ -234,14 +246,13 @@ class ModelRunner:
         def spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
 
-        (tok, pos, token_rows, slots, tables, index, row_slot, mask, *sampling) = [
-            spec(shape, dtype) for shape, dtype in HostStep.specs(r, t, w, self.config.vocab_size)]
-        meta = AttentionMetadata(tables, token_rows, slots)
-        forward_args = (self.params, self.kv, self.token_slots, tok, pos, meta, index, row_slot)
-        logits = spec((r, self.config.vocab_size), jnp.float32)
-        *sampling, want, bias = sampling
-        sample_args = (logits, self.token_slots, row_slot, mask,
-                       SamplingArrays(*sampling, bias, want))
+        i32 = jnp.int32
+        rows = spec((len(ROW_FIELDS), r), i32)
+        forward_args = (self.params, self.kv, self.token_slots, rows,
+                        spec((len(TOKEN_FIELDS), t), i32), spec((r, w), i32))
+        v = self.config.vocab_size
+        sample_args = (spec((r, v), jnp.float32), self.token_slots, rows,
+                       spec((r, v), jnp.float32))
         return forward_args, sample_args
 
     def compile(self, shape: tuple[int, int, int]) -> Any:
@@ -390,19 +401,12 @@ class ModelRunner:
     def _execute(self, host: HostStep) -> SampleOutput:
         """Launch the compiled call for `host` (asynchronously); the runner's state advances."""
         fn = self._compiled[host.shape]
-        (block_tables, token_rows, slot_mapping, temperature, top_k, top_p, min_p, seed, counter,
-         logprobs, row_slot, tokens, positions, logits_index, sample_mask) = self._put(
-            host.block_tables, host.token_rows, host.slot_mapping, host.temperature, host.top_k,
-            host.top_p, host.min_p, host.seed, host.counter, host.logprobs, host.row_slot,
-            host.tokens, host.positions, host.logits_index, host.sample_mask)
+        rows, toks, tables = self._put(*host.packed())
         bias = self._put(host.bias)[0] if host.bias is not None else \
             self._zeros_bias(host.shape[0])
-        meta = AttentionMetadata(block_tables, token_rows, slot_mapping)
-        sampling = SamplingArrays(temperature, top_k, top_p, min_p, seed, counter, bias, logprobs)
-        self.kv, logits = fn(self.params, self.kv, self.token_slots, tokens, positions, meta,
-                             logits_index, row_slot)
+        self.kv, logits = fn(self.params, self.kv, self.token_slots, rows, toks, tables)
         self.token_slots, out = self._compiled_sample[host.shape[0]](
-            logits, self.token_slots, row_slot, sample_mask, sampling)
+            logits, self.token_slots, rows, bias)
         return out
 
     def _put(self, *arrays: np.ndarray) -> list[jax.Array]:
