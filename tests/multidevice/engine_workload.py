@@ -2,12 +2,12 @@
 
 The workload: 10 greedy requests, prompts 5..120 tokens, max_tokens 1..24, added over the first
 steps (staggered), so steps mix chunked prefills (chunks of up to 32 tokens) with decode rows in
-one call, and run decode-only batches of 1..4 rows.  The schedule is a pure function of the workload and the
-EngineConfig (no wall clock: aging is off), so every layout sees the same calls."""
+one call, and run decode-only batches of 1..4 rows.  The schedule is a pure function of the
+workload and the EngineConfig (no wall clock: aging is off), so every layout sees the same
+calls."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import shutil
 from pathlib import Path
@@ -25,11 +25,11 @@ from xlaserve.serving.types import GenerationRequest, SamplingParams
 # 32 or 64 tokens x rows 1/2/4, one block-table width (9 blocks = max_model_len / block_size).
 # A step's token budget (64) mixes decode rows with prefill chunks; prompts over 32 tokens are
 # prefilled in chunks.
-ENGINE = EngineConfig(max_model_len=144, block_size=16, num_kv_blocks=64, max_num_seqs=4,
+ENGINE = EngineConfig.from_args(max_model_len=144, block_size=16, num_kv_blocks=64, max_num_seqs=4,
                       max_num_batched_tokens=64, max_prefill_chunk=32,
                       min_step_tokens=32, min_table_width=9, aging_seconds=math.inf)
 # The two-process run: 6 buckets (decode rows 1/2, 32 or 64 tokens x rows 1/2), four requests.
-MULTIHOST_ENGINE = dataclasses.replace(ENGINE, max_num_seqs=2)
+MULTIHOST_ENGINE = ENGINE.with_args(max_num_seqs=2)
 
 
 def workload(vocab: int, seed: int = 0, n: int = 10) -> list[tuple[int, GenerationRequest]]:
@@ -39,7 +39,7 @@ def workload(vocab: int, seed: int = 0, n: int = 10) -> list[tuple[int, Generati
     out = []
     for i, length in enumerate(lengths):
         max_tokens = int(rng.integers(1, 25)) if i else 1   # request 0 ends at its first token
-        max_tokens = min(max_tokens, ENGINE.max_model_len - length)
+        max_tokens = min(max_tokens, ENGINE.scheduler.max_model_len - length)
         prompt = rng.integers(0, vocab, length).tolist()
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                                   logprobs=2)

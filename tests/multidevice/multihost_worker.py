@@ -44,8 +44,9 @@ def main() -> None:
     assert jax.process_count() == 2 and jax.device_count() == 4, jax.devices()
     mesh = make_mesh(MeshConfig(pipeline=2, tensor=2))
     params = jax.tree_util.tree_map(np.asarray, tiny_params(TINY, seed=11))
-    runner = ModelRunner(params, TINY, mesh, num_blocks=ENGINE.num_kv_blocks,
-                         block_size=ENGINE.block_size, max_num_seqs=ENGINE.max_num_seqs,
+    runner = ModelRunner(params, TINY, mesh, num_blocks=ENGINE.scheduler.num_kv_blocks,
+                         block_size=ENGINE.scheduler.block_size,
+                         max_num_seqs=ENGINE.scheduler.max_num_seqs,
                          buckets=ENGINE.bucket_plan, peer_timeout_s=args.peer_timeout)
     runner.warmup()
     if args.process_id != 0:

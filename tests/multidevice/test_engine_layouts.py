@@ -93,7 +93,8 @@ def test_per_device_bytes_of_each_layout(tiny_folder) -> None:
     """layout_report prices every layout from shapes; the bytes a real engine placed on its
     first device (parameters + KV cache) are exactly those."""
     meshes = [MeshConfig(), *LAYOUTS.values()]
-    report = layout_report(TINY, meshes, ENGINE.num_kv_blocks, ENGINE.block_size)
+    report = layout_report(TINY, meshes, ENGINE.scheduler.num_kv_blocks,
+                           ENGINE.scheduler.block_size)
     print("\n" + format_layout_report(report))
     one = report[0][1]
     for mesh, (name, got) in zip(meshes, report):

@@ -67,8 +67,9 @@ def single_process_tokens(model_dir: Path) -> dict[str, list[int]]:
     mesh = make_mesh()
     params = jax.tree_util.tree_map(np.asarray, tiny_params(TINY, seed=11))
     cfg = MULTIHOST_ENGINE
-    runner = ModelRunner(params, TINY, mesh, num_blocks=cfg.num_kv_blocks,
-                         block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+    runner = ModelRunner(params, TINY, mesh, num_blocks=cfg.scheduler.num_kv_blocks,
+                         block_size=cfg.scheduler.block_size,
+                         max_num_seqs=cfg.scheduler.max_num_seqs,
                          buckets=cfg.bucket_plan)
     runner.warmup()
     engine = LLMEngine(params, TINY, Tokenizer.load(model_dir), mesh, cfg, runner=runner)

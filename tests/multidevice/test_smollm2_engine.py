@@ -11,7 +11,7 @@ from xlaserve.serving.types import GenerationRequest, SamplingParams
 from xlaserve.sharding.mesh import MeshConfig
 
 # Two buckets: one decode row, one 64-token prefill chunk; 8-block tables.
-SMALL = EngineConfig(max_model_len=128, block_size=16, num_kv_blocks=16, max_num_seqs=1,
+SMALL = EngineConfig.from_args(max_model_len=128, block_size=16, num_kv_blocks=16, max_num_seqs=1,
                      max_num_batched_tokens=64, max_prefill_chunk=64,
                      min_step_tokens=64, min_table_width=8)
 

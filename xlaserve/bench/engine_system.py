@@ -48,7 +48,7 @@ def run_engine(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
     tokens: dict[str, list[int]] = {r.request_id: [] for r in workload.requests}
     outcomes: dict[str, RequestOutcome] = {}
     meter = KVWasteMeter()
-    bs = config.block_size
+    bs = config.scheduler.block_size
     with CompileCounter() as compiles:
         clock = Clock()
         for r in workload.requests:

@@ -30,6 +30,7 @@ from xlaserve.bench.roofline import measure_roofline, param_bytes
 from xlaserve.bench.static_system import StaticBatcher
 from xlaserve.bench.workload import Workload, get_workload
 from xlaserve.serving.engine import EngineConfig
+from xlaserve.serving.engine.replicas import make_runner
 from xlaserve.serving.loading import LoadedModel, load_model
 from xlaserve.serving.runner.call_profile import CallProfile, format_rows
 from xlaserve.serving.runner.runner import ModelRunner
@@ -79,10 +80,7 @@ def run_offline(model: LoadedModel, options: OfflineOptions,
     spec = get_workload(options.workload)
     workload = spec.build(model.tokenizer, options.seed, options.num_requests)
     config = engine_config or spec.engine_config(options.batch)
-    runner = ModelRunner(model.params, model.config, model.mesh,
-                         num_blocks=config.num_kv_blocks, block_size=config.block_size,
-                         max_num_seqs=config.max_num_seqs, buckets=config.bucket_plan,
-                         attention_backend=config.attention_backend)
+    runner = make_runner(model, config)
     results: list[SystemResult] = []
     warmup_s = 0.0
     if "engine" in options.systems or "static" in options.systems:
@@ -90,7 +88,7 @@ def run_offline(model: LoadedModel, options: OfflineOptions,
     if "engine" in options.systems:
         results.append(run_engine(model, config, runner, workload, warmup_s))
     if "static" in options.systems:
-        static = StaticBatcher(runner, options.batch, config.max_prefill_chunk)
+        static = StaticBatcher(runner, options.batch, config.scheduler.max_prefill_chunk)
         results.append(static.run(workload, warmup_s))
     if "hf" in options.systems:
         from xlaserve.bench.hf_system import load_hf_model, run_hf
@@ -106,8 +104,8 @@ def run_offline(model: LoadedModel, options: OfflineOptions,
     breakdown = {}
     if options.breakdown:
         breakdown = _breakdown(model, config, runner, workload, options)
-    memory = device_bytes(ShardLayout.create(model.config, model.mesh), config.num_kv_blocks,
-                          config.block_size)
+    memory = device_bytes(ShardLayout.create(model.config, model.mesh),
+                          config.scheduler.num_kv_blocks, config.scheduler.block_size)
     if runner.packed:   # one device holding the CPU kernels' panels (and a tied head's copy)
         resident = param_bytes(runner.params)
         memory = replace(memory, params=resident, params_total=resident)
@@ -142,7 +140,8 @@ def _breakdown(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
             if system == "engine":
                 run_engine(model, config, runner, workload)
             else:
-                StaticBatcher(runner, options.batch, config.max_prefill_chunk).run(workload)
+                StaticBatcher(runner, options.batch,
+                              config.scheduler.max_prefill_chunk).run(workload)
         finally:
             runner.profile = None
         out[system] = profile

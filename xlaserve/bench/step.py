@@ -303,13 +303,15 @@ def step_main(model_dir: str, *, decode_batches: list[int], width: int, context:
     model = load_model(model_dir)
     most = max(decode_batches)
     blocks = max(width, -(-max(prefill_chunks, default=1) // 16))
-    config = EngineConfig(max_model_len=max(2048, blocks * 16), num_kv_blocks=most * blocks + 2,
-                          max_num_seqs=most,
-                          max_num_batched_tokens=max(max(prefill_chunks, default=16), most + 1),
-                          attention_backend=backend)
+    config = EngineConfig.from_args(max_model_len=max(2048, blocks * 16),
+                                    num_kv_blocks=most * blocks + 2, max_num_seqs=most,
+                                    max_num_batched_tokens=max(max(prefill_chunks, default=16),
+                                                               most + 1),
+                                    attention_backend=backend)
     runner = ModelRunner(model.params, model.config, model.mesh,
-                         num_blocks=config.num_kv_blocks, block_size=config.block_size,
-                         max_num_seqs=config.max_num_seqs, buckets=config.bucket_plan,
+                         num_blocks=config.scheduler.num_kv_blocks,
+                         block_size=config.scheduler.block_size,
+                         max_num_seqs=config.scheduler.max_num_seqs, buckets=config.bucket_plan,
                          attention_backend=config.attention_backend)
     report = run_steps(runner, decode_batches=decode_batches, width=width, context=context,
                        prefill_chunks=prefill_chunks, repeats=repeats, breakdown=breakdown)

@@ -122,7 +122,7 @@ class WorkloadSpec:
         seqs = max(self.max_num_seqs, _pow2_at_least(batch))
         chunk = min(self.prefill_chunk, _pow2_at_least(self.prompt_max))
         blocks_per_seq = self.max_model_len // self.block_size
-        return EngineConfig(
+        return EngineConfig.from_args(
             max_model_len=self.max_model_len, block_size=self.block_size,
             num_kv_blocks=seqs * blocks_per_seq + 1, max_num_seqs=seqs,
             max_num_batched_tokens=max(2 * chunk, seqs + 1), max_prefill_chunk=chunk,

@@ -29,7 +29,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from xlaserve.serving.types import Tier
 
 TIER_NAMES = {t.name.lower(): t for t in Tier}
-BUILTIN_ENGINE = "xlaserve.serving.engine.async_engine:build"  # engine_args: EngineConfig fields
+BUILTIN_ENGINE = "xlaserve.serving.engine.async_engine:build"  # engine_args: EngineConfig.from_args
 DTYPES = (None, "auto", "float32", "bfloat16", "float16")   # a served model's weight dtype
 
 
@@ -215,7 +215,7 @@ class ServedModel:
             # checked here rather than when the engine is built, minutes later
             from xlaserve.serving.engine.config import EngineConfig
 
-            known = {f.name for f in fields(EngineConfig)}
+            known = EngineConfig.arg_names()
             unknown = sorted(set(self.engine_args) - known)
             if unknown:
                 raise ValueError(f"models[{self.name}].engine_args: unknown key(s) {unknown}; "

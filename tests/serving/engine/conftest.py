@@ -18,7 +18,7 @@ from xlaserve.sharding.mesh import make_mesh
 
 ROOT = Path(__file__).resolve().parents[3]
 
-ENGINE_CONFIG = EngineConfig(max_model_len=1024, num_kv_blocks=1024, max_num_seqs=16,
+ENGINE_CONFIG = EngineConfig.from_args(max_model_len=1024, num_kv_blocks=1024, max_num_seqs=16,
                              max_num_batched_tokens=512, max_prefill_chunk=256, min_table_width=16)
 
 
@@ -37,15 +37,17 @@ def engine(warm_engine, smollm2) -> LLMEngine:
 
 
 def new_engine(warm: LLMEngine, model, **changes) -> LLMEngine:
-    config = ENGINE_CONFIG.__class__(**{**ENGINE_CONFIG.__dict__, **changes})
+    config = ENGINE_CONFIG.with_args(changes)
     return LLMEngine(model.params, model.config, model.tokenizer, model.mesh, config,
                      runner=warm.runner)
 
 
 TINY_CONFIG = ModelConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=1,
                           num_heads=2, num_kv_heads=1, head_dim=16, eos_token_ids=(2,))
-TINY_ENGINE_CONFIG = EngineConfig(max_model_len=64, block_size=16, num_kv_blocks=32,
-                                  max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=32, min_step_tokens=16, min_table_width=4)
+TINY_ENGINE_CONFIG = EngineConfig.from_args(max_model_len=64, block_size=16, num_kv_blocks=32,
+                                            max_num_seqs=4, max_num_batched_tokens=64,
+                                            max_prefill_chunk=32, min_step_tokens=16,
+                                            min_table_width=4)
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +60,7 @@ def warm_tiny(model_dir) -> LLMEngine:
 
 def new_tiny_engine(warm: LLMEngine, **changes) -> LLMEngine:
     """A fresh tiny engine on the shared warmed-up runner; `changes` to TINY_ENGINE_CONFIG."""
-    config = TINY_ENGINE_CONFIG.__class__(**{**TINY_ENGINE_CONFIG.__dict__, **changes})
+    config = TINY_ENGINE_CONFIG.with_args(changes)
     return LLMEngine(warm.runner.params, TINY_CONFIG, warm.tokenizer, warm.runner.mesh, config,
                      runner=warm.runner)
 

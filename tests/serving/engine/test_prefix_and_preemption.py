@@ -26,7 +26,7 @@ def test_shared_system_prompt_is_held_once_and_skips_prefill(engine, corpus_ids)
     rng = np.random.default_rng(16)
     system = prompt(corpus_ids, rng, 512)
     questions = [prompt(corpus_ids, rng, int(n)) for n in rng.integers(8, 40, 17)]
-    bs = engine.config.block_size
+    bs = engine.config.scheduler.block_size
     prefix_blocks = 512 // bs
 
     # q0 computes the 512-token prefix; once it decodes, 15 more join it and share the prefix.

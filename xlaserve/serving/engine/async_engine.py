@@ -64,7 +64,7 @@ class AsyncEngine:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.config.max_model_len
+        self.max_model_len = engine.config.scheduler.max_model_len
         self.ready = False
         self._inbox: deque[tuple[str, Any]] = deque()
         self._waiters: dict[str, _Waiter] = {}
@@ -334,7 +334,7 @@ def _resolve(future: asyncio.Future[str], value: str) -> None:
 def build(served: Any) -> list[AsyncEngine]:
     """The server's engine factory (`engine = "xlaserve.serving.engine.async_engine:build"`):
     load the model folder `served.path` (in `served.dtype`: replicas.serving_dtype) and wrap
-    continuous-batching engines configured by `served.engine_args` (EngineConfig fields;
+    continuous-batching engines configured by `served.engine_args` (EngineConfig.from_args keys;
     `mesh` is a table {pipeline, tensor, replicas} or the path of a preset such as
     configs/tp2.toml).  One engine per mesh replica; each compiles its buckets on its own
     thread once started."""
@@ -351,6 +351,6 @@ def build(served: Any) -> list[AsyncEngine]:
         args["mesh"] = mesh
     # On a multi-host job every process calls this with the same config: process 0 gets the
     # engine it serves with, the others the same runner, to `follow()`.
-    engines = build_engines(served.path, EngineConfig(**args), dtype=served.dtype,
+    engines = build_engines(served.path, EngineConfig.from_args(args), dtype=served.dtype,
                             warmup=False)
     return [AsyncEngine(e, model_name=served.name) for e in engines]

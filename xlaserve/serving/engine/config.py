@@ -1,26 +1,31 @@
-"""Engine configuration: scheduler limits, KV pool, buckets, attention backend, device mesh."""
+"""Engine configuration, composed: the scheduler's knobs (`scheduler`, each default in
+SchedulerConfig), the bucket plan's lower bounds, the attention backend, the device mesh.
+
+    EngineConfig.from_args(max_num_seqs=4, pipelined=False, mesh=MeshConfig(tensor=2))
+        -> EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4), pipelined=False, mesh=...)
+
+`from_args` takes the flat keys `[[models]] engine_args` uses: a scheduler knob by its own name,
+anything else an EngineConfig field; `with_args` changes some of them on a copy.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.scheduler.config import SchedulerConfig
 from xlaserve.sharding.mesh import MeshConfig
 
+_SCHEDULER_KEYS = frozenset(f.name for f in fields(SchedulerConfig))
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_model_len: int = 2048
-    block_size: int = 16
-    num_kv_blocks: int = 2048            # including the null block 0
-    max_num_seqs: int = 32               # decode rows per step
-    max_num_batched_tokens: int = 1024   # token budget per step
-    max_prefill_chunk: int = 512         # most prompt tokens one sequence gets per step
+    scheduler: SchedulerConfig = SchedulerConfig()  # noqa: RUF009 - frozen: one shared default
     min_step_tokens: int = 16            # smallest token bucket of a step that is not all decodes
     min_table_width: int = 4
-    aging_seconds: float = 30.0
-    enable_prefix_caching: bool = True
     pipelined: bool = True               # schedule step n+1 while step n runs on device
     attention_backend: str = "auto"      # see kernels/attention.py: cpu kernels on CPU
     seed: int = 0                        # seeds requests that bring none
@@ -29,25 +34,42 @@ class EngineConfig:
     mesh: MeshConfig = MeshConfig()  # noqa: RUF009 - frozen, so one shared default is safe
 
     def __post_init__(self) -> None:
-        if self.max_model_len % self.block_size:
-            raise ValueError(f"max_model_len={self.max_model_len} must be a multiple of "
-                             f"block_size={self.block_size}")
+        s = self.scheduler
+        if not isinstance(s, SchedulerConfig):
+            raise TypeError(f"scheduler must be a SchedulerConfig, got {s!r}")
+        if s.max_model_len % s.block_size:
+            raise ValueError(f"max_model_len={s.max_model_len} must be a multiple of "
+                             f"block_size={s.block_size}")
         if not isinstance(self.mesh, MeshConfig):
             raise TypeError(f"mesh must be a sharding.mesh.MeshConfig, got {self.mesh!r}")
-        self.scheduler_config  # validates the scheduler's share
-        self.bucket_plan
+        self.bucket_plan  # validates the buckets' share
 
-    @property
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_prefill_chunk=self.max_prefill_chunk, max_model_len=self.max_model_len,
-            aging_seconds=self.aging_seconds, enable_prefix_caching=self.enable_prefix_caching)
+    @staticmethod
+    def arg_names() -> frozenset[str]:
+        """Every key `from_args` takes."""
+        return _SCHEDULER_KEYS | {f.name for f in fields(EngineConfig)} - {"scheduler"}
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any] = {}, **kwargs: Any) -> EngineConfig:  # noqa: B006
+        """From flat keys (see the module docstring); an unknown key is a ValueError naming
+        it."""
+        return cls().with_args(args, **kwargs)
+
+    def with_args(self, args: Mapping[str, Any] = {}, **kwargs: Any) -> EngineConfig:  # noqa: B006
+        """A copy with the flat keys `args` / `kwargs` changed."""
+        merged = {**args, **kwargs}
+        unknown = sorted(set(merged) - self.arg_names())
+        if unknown:
+            raise ValueError(f"unknown engine setting(s) {unknown}; known: "
+                             f"{sorted(self.arg_names())}")
+        sched = {k: v for k, v in merged.items() if k in _SCHEDULER_KEYS}
+        rest = {k: v for k, v in merged.items() if k not in _SCHEDULER_KEYS}
+        return replace(self, scheduler=replace(self.scheduler, **sched), **rest)
 
     @property
     def bucket_plan(self) -> BucketPlan:
+        s = self.scheduler
         return BucketPlan.for_limits(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_width=self.max_model_len // self.block_size, min_tokens=self.min_step_tokens,
-            min_width=self.min_table_width, block_size=self.block_size)
+            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+            max_width=s.max_model_len // s.block_size, min_tokens=self.min_step_tokens,
+            min_width=self.min_table_width, block_size=s.block_size)

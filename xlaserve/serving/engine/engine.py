@@ -104,29 +104,28 @@ class LLMEngine:
         self.model_config = config
         self.config = engine_config
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(engine_config.scheduler_config)
+        self.scheduler = Scheduler(engine_config.scheduler)
+        s = engine_config.scheduler
         if runner is None:
-            runner = ModelRunner(params, config, mesh, num_blocks=engine_config.num_kv_blocks,
-                                 block_size=engine_config.block_size,
-                                 max_num_seqs=engine_config.max_num_seqs,
+            runner = ModelRunner(params, config, mesh, num_blocks=s.num_kv_blocks,
+                                 block_size=s.block_size, max_num_seqs=s.max_num_seqs,
                                  buckets=engine_config.bucket_plan,
                                  attention_backend=engine_config.attention_backend)
-        elif (runner.num_blocks < engine_config.num_kv_blocks
-              or runner.max_num_seqs < engine_config.max_num_seqs
-              or runner.block_size != engine_config.block_size):
+        elif (runner.num_blocks < s.num_kv_blocks or runner.max_num_seqs < s.max_num_seqs
+              or runner.block_size != s.block_size):
             raise ValueError(f"runner (blocks={runner.num_blocks}, seqs={runner.max_num_seqs}, "
                              f"block_size={runner.block_size}) is smaller than {engine_config}")
         self.runner = runner
         self._outputs: dict[str, OutputState] = {}
         self._slots: dict[str, int] = {}
-        self._free_slots = list(range(engine_config.max_num_seqs, 0, -1))
+        self._free_slots = list(range(s.max_num_seqs, 0, -1))
         self._in_flight: deque[_Launched] = deque()
         self._rng = random.Random(engine_config.seed)
         self._ready: list[EngineEvent] = []   # made, not yet returned by step()
         self.num_steps = 0
         self.host_time = HostTime()
         self.clock = StepClock()
-        self.costs = CostMeter(engine_config.max_num_seqs)
+        self.costs = CostMeter(s.max_num_seqs)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -158,8 +157,9 @@ class LLMEngine:
 
     def calibrate(self) -> None:
         """Measure the step costs admission projects from (before serving: see CostMeter)."""
-        costs = self.costs.calibrate(self.runner, context=min(512, self.config.max_model_len // 4),
-                                     prefill_tokens=self.config.max_prefill_chunk)
+        s = self.config.scheduler
+        costs = self.costs.calibrate(self.runner, context=min(512, s.max_model_len // 4),
+                                     prefill_tokens=s.max_prefill_chunk)
         log.info("step costs: %.1f ms per decode step of %d rows, %.0f prompt tokens/s",
                  1e3 * costs.step_s, costs.max_running, costs.prefill_tokens_per_s)
 

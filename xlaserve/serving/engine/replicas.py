@@ -74,9 +74,9 @@ def check_multihost_meshes(engine_config: EngineConfig, meshes: Sequence[Mesh]) 
 
 def make_runner(model: LoadedModel, engine_config: EngineConfig) -> ModelRunner:
     return ModelRunner(model.params, model.config, model.mesh,
-                       num_blocks=engine_config.num_kv_blocks,
-                       block_size=engine_config.block_size,
-                       max_num_seqs=engine_config.max_num_seqs,
+                       num_blocks=engine_config.scheduler.num_kv_blocks,
+                       block_size=engine_config.scheduler.block_size,
+                       max_num_seqs=engine_config.scheduler.max_num_seqs,
                        buckets=engine_config.bucket_plan,
                        attention_backend=engine_config.attention_backend)
 

@@ -1,4 +1,5 @@
-"""The scheduler's knobs: one frozen dataclass, validated on construction."""
+"""The scheduler's knobs: one frozen dataclass, validated on construction.  Its defaults are
+the served engine's (EngineConfig composes it: serving/engine/config.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    num_kv_blocks: int = 1024           # KV pool size, including the null block 0
+    num_kv_blocks: int = 2048           # KV pool size, including the null block 0
     block_size: int = 16                # tokens per KV block
-    max_num_seqs: int = 64              # running sequences at most (decode batch rows)
-    max_num_batched_tokens: int = 2048  # token budget per step, decodes and chunks together
+    max_num_seqs: int = 32              # running sequences at most (decode batch rows)
+    max_num_batched_tokens: int = 1024  # token budget per step, decodes and chunks together
     max_prefill_chunk: int = 512        # most tokens one sequence gets in one step
-    max_model_len: int = 4096           # positions per sequence, prompt + output
+    max_model_len: int = 2048           # positions per sequence, prompt + output
     aging_seconds: float = 30.0         # each this long spent since arrival = one tier up
     enable_prefix_caching: bool = True
 
