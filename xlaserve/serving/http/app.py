@@ -45,9 +45,9 @@ from xlaserve.serving.http.protocol import (
     parse_completion,
     usage_dict,
 )
-from xlaserve.serving.http.state import Choice, Generation, ServingState
+from xlaserve.serving.http.state import Admitted, Choice, Generation, ServingState, audit_record
 from xlaserve.serving.router import ModelGroup, RoutingError
-from xlaserve.serving.types import EngineEvent, SamplingParams
+from xlaserve.serving.types import EngineEvent, SamplingParams, Usage
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 ROUTED_HEADER = "x-xlaserve-routed-model"
@@ -247,13 +247,11 @@ def create_app(state: ServingState) -> Quart:
             raise
         if parsed.model == "auto":
             g.extra_headers[ROUTED_HEADER] = group.id
-        audit_extra: dict[str, Any] = {"user": parsed.user} if parsed.user else {}
-        if state.audit is not None and state.audit.include_prompts:
-            audit_extra["prompt"] = parsed.messages if kind == "chat" else parsed.prompts
         try:
-            gen = Generation(state, group, principal, trace, request.path, ticket, arrived,
-                             prompts, parsed.n, sampling, parsed.priority, audit_extra,
-                             reservation)
+            gen = Generation(state, Admitted(
+                trace=trace, endpoint=request.path, arrived=arrived, principal=principal,
+                parsed=parsed, group=group, prompts=prompts, sampling=sampling,
+                reservation=reservation, ticket=ticket))
         except BaseException as e:
             group.admission.release(ticket)
             state.limiter.settle(reservation, 0)
@@ -286,14 +284,9 @@ def create_app(state: ServingState) -> Quart:
         """The audit line of a request that ended before its Generation existed."""
         if state.audit is None:
             return
-        trace: TraceContext = g.trace
-        state.audit.write({
-            "ts": round(time.time(), 3), "request_id": trace.request_id,
-            "trace_id": trace.trace_id, "tenant": principal.tenant if principal else None,
-            "tier": principal.tier.name.lower() if principal else None, "model": model,
-            "endpoint": request.path, "status": status, "prompt_tokens": 0,
-            "completion_tokens": 0, "cached_tokens": 0,
-            "latency_s": round(time.monotonic() - arrived, 4), "error": code})
+        state.audit.write({**audit_record(g.trace, principal, model, request.path, status,
+                                          Usage(0, 0), time.monotonic() - arrived),
+                           "error": code})
 
     def _close_orphan(gen: Generation) -> None:
         if not gen.closed:
@@ -422,7 +415,7 @@ def create_app(state: ServingState) -> Quart:
         return _json(body)
 
     def response_id(gen: Generation, parsed: ParsedRequest) -> str:
-        return ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + gen.trace.request_id
+        return ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + gen.admitted.trace.request_id
 
     def stream_response(gen: Generation, parsed: ParsedRequest) -> Response:
         rid, created, model = response_id(gen, parsed), int(time.time()), gen.group.id
