@@ -1,4 +1,5 @@
-"""OpenAI request validation and response shapes for /v1/chat/completions and /v1/completions.
+"""OpenAI request validation for /v1/chat/completions and /v1/completions, and `ApiError`,
+the OpenAI-shaped error every failure answers with (responses: http/render.py).
 
 Every bad input raises `ApiError` (400 unless said otherwise) naming the offending field in
 `param`.  Unknown fields: OpenAI answers 400 "Unrecognized request argument supplied", and so do
@@ -16,7 +17,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from xlaserve.serving.types import MAX_INT32, TokenLogprob
+from werkzeug.exceptions import HTTPException
+
+from xlaserve.serving.types import MAX_INT32
 
 
 class ApiError(Exception):
@@ -41,6 +44,14 @@ class ApiError(Exception):
         return {"error": {"message": self.message,
                           "type": self.TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
+
+    @classmethod
+    def from_http(cls, e: HTTPException, max_body_bytes: int) -> ApiError:
+        """A werkzeug HTTP error (body over `max_body_bytes`, no such route, wrong method)."""
+        codes = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}
+        msg = (f"Request body exceeds the limit of {max_body_bytes} bytes" if e.code == 413
+               else e.description or e.name)
+        return cls(e.code or 400, msg, None, codes.get(e.code or 400))
 
 
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
@@ -312,36 +323,6 @@ def parse_completion(body: dict[str, Any], max_n: int) -> ParsedRequest:
     return p
 
 
-# -- response pieces ----------------------------------------------------------------------------
-
-def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def chat_logprobs(entries: list[TokenLogprob], token_text: Any,
-                  token_bytes: Any = None) -> dict[str, Any]:
-    """`bytes` are the token's own bytes (token_bytes), so that a client can rebuild a
-    character split over several tokens; without token_bytes, the UTF-8 of its text."""
-    def one(tid: int, lp: float) -> dict[str, Any]:
-        t = token_text(tid)
-        raw = token_bytes(tid) if token_bytes is not None else t.encode("utf-8")
-        return {"token": t, "logprob": lp, "bytes": list(raw)}
-
-    return {"content": [{**one(e.token_id, e.logprob),
-                         "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
-
-
-def completion_logprobs(entries: list[TokenLogprob], token_text: Any, offset: int
-                        ) -> dict[str, Any]:
-    tokens, lps, tops, offsets = [], [], [], []
-    for e in entries:
-        t = token_text(e.token_id)
-        tokens.append(t)
-        lps.append(e.logprob)
-        tops.append({token_text(i): lp for i, lp in e.top})
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
-            "text_offset": offsets}
+def parse(kind: str, body: dict[str, Any], max_n: int) -> ParsedRequest:
+    """A decoded body validated for `kind` ("chat" | "completion")."""
+    return parse_chat(body, max_n) if kind == "chat" else parse_completion(body, max_n)

@@ -2,13 +2,14 @@
 replicas), gateway parts and metrics; and `Generation`, one client request's fan-out into
 engine requests with the bookkeeping that must happen however it ends.
 
-    Generation.start()  -> pick a replica per choice, submit, merge the event streams; a
-                           choice whose replica goes down before its first token is
-                           resubmitted to a live one
-    Generation.events() -> (choice index, EngineEvent) as they come, each stream ending once
-    Generation.close()  -> abort unfinished engine requests, release the admission slot,
-                           settle the tenant's token reservation to what was served,
-                           observe metrics, write the audit line                  (exactly once)
+    Generation(state, admitted) -> one engine request per prompt x n ("choice"), each on a
+                                   replica picked for its prompt
+    Generation.events()         -> submit them, yield (Choice, EngineEvent) as they come, each
+                                   stream ending once; a choice whose replica goes down before
+                                   its first token is resubmitted to a live one
+    Generation.close()          -> abort unfinished engine requests, release the admission
+                                   slot, settle the tenant's token reservation to what was
+                                   served, observe metrics, write the audit line  (exactly once)
 
 Shutdown (`ServingState.drain`): stop admitting (new requests and /ready answer 503), let the
 running generations finish for up to `server.drain_timeout_s`, then stop the rest through their
@@ -26,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xlaserve.serving.admission import Ticket
-from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.gateway.audit import AuditLog
 from xlaserve.serving.gateway.auth import Authenticator, Principal
 from xlaserve.serving.gateway.ratelimit import RateLimiter, Reservation
 from xlaserve.serving.gateway.tracing import TraceContext
+from xlaserve.serving.http.protocol import ParsedRequest
 from xlaserve.serving.metrics import EngineSource, Metrics
 from xlaserve.serving.router import ModelGroup, Replica, Router
 from xlaserve.serving.server_config import ServerConfig
@@ -93,6 +94,30 @@ class ServingState:
         return task
 
 
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A generation request that passed every stage up to admission (`http/pipeline.py`), as
+    its Generation takes it; `Generation.close()` gives back its slot and reservation."""
+    trace: TraceContext
+    endpoint: str                 # the request's path, for the audit line
+    arrived: float                # time.monotonic() when it came in
+    principal: Principal
+    parsed: ParsedRequest
+    group: ModelGroup             # the model it runs on ("auto" resolved)
+    prompts: list[list[int]]      # token ids, one list per prompt
+    sampling: SamplingParams      # max_tokens resolved against the context length
+    reservation: Reservation      # prompt + n x max_tokens tokens held from the tenant's limits
+    ticket: Ticket                # its len(prompts) x n admission slots
+
+    def audit_extra(self, include_prompts: bool) -> dict[str, Any]:
+        """What its audit line adds: the client's `user`, and the prompt if the log keeps it."""
+        extra: dict[str, Any] = {"user": self.parsed.user} if self.parsed.user else {}
+        if include_prompts:
+            extra["prompt"] = (self.parsed.messages if self.parsed.kind == "chat"
+                               else self.parsed.prompts)
+        return extra
+
+
 @dataclass
 class Choice:
     index: int
@@ -109,36 +134,29 @@ class Choice:
 
 
 class Generation:
-    def __init__(self, state: ServingState, group: ModelGroup, principal: Principal,
-                 trace: TraceContext, endpoint: str, ticket: Ticket, arrived: float,
-                 prompts: list[list[int]], n: int, sampling: SamplingParams, priority: int,
-                 audit_extra: dict[str, Any], reservation: Reservation):
+    """One admitted request's n x len(prompts) engine requests ("choices"), each on a replica
+    picked by its prompt; `close()` does what must happen however the request ends."""
+
+    def __init__(self, state: ServingState, admitted: Admitted):
         self.state = state
-        self.group = group
-        self.principal = principal
-        self.trace = trace
-        self.endpoint = endpoint
-        self.ticket = ticket
-        self.arrived = arrived
-        self.prompts = prompts
-        self.audit_extra = audit_extra
-        self.reservation = reservation
+        self.admitted = admitted
         self.status = 200
         self.closed = False
         self.stopped: str | None = None   # why the server stopped it (shutdown), if it did
         self.choices: list[Choice] = []
-        fan = len(prompts) * n
-        for p, ids in enumerate(prompts):
+        a, n = admitted, admitted.parsed.n
+        fan = len(a.prompts) * n
+        for p, ids in enumerate(a.prompts):
             for j in range(n):
                 i = p * n + j
-                s = sampling
+                s = a.sampling
                 if n > 1 and s.seed is not None:  # distinct but reproducible choices
                     s = SamplingParams(**{**s.__dict__, "seed": s.seed + j})
-                rid = state.new_engine_id(trace.request_id if fan == 1
-                                          else f"{trace.request_id}-{i}")
-                req = GenerationRequest(rid, list(ids), s, principal.tier, priority,
-                                        principal.tenant, None, arrived)
-                replica = group.pick(ids, principal.tenant)
+                rid = state.new_engine_id(a.trace.request_id if fan == 1
+                                          else f"{a.trace.request_id}-{i}")
+                req = GenerationRequest(rid, list(ids), s, a.principal.tier, a.parsed.priority,
+                                        a.principal.tenant, None, a.arrived)
+                replica = self.group.pick(ids, a.principal.tenant)
                 replica.inflight += 1
                 replica.routed += 1
                 self.choices.append(Choice(i, p, req, replica))
@@ -155,8 +173,8 @@ class Generation:
                              return_exceptions=True)
 
     @property
-    def engine(self) -> AsyncEngine:
-        return self.choices[0].replica.engine
+    def group(self) -> ModelGroup:
+        return self.admitted.group
 
     async def _pump(self, c: Choice) -> None:
         try:
@@ -197,7 +215,7 @@ class Generation:
         old = c.replica
         if old.engine.ready:
             return False
-        new = self.group.pick(c.request.prompt_token_ids, self.principal.tenant)
+        new = self.group.pick(c.request.prompt_token_ids, self.admitted.principal.tenant)
         if new is old or not new.engine.ready:
             return False
         old.inflight -= 1
@@ -218,7 +236,8 @@ class Generation:
             if ev.token_ids:
                 if not c.first_at:
                     c.first_at = now
-                    self.state.metrics.ttft.labels(self.group.id).observe(now - self.arrived)
+                    self.state.metrics.ttft.labels(self.group.id).observe(
+                        now - self.admitted.arrived)
                 else:
                     m.observe(now - c.last_at)
                 c.last_at = now
@@ -230,7 +249,7 @@ class Generation:
             yield c, ev
 
     def usage(self) -> Usage:
-        prompt = sum(len(p) for p in self.prompts)
+        prompt = sum(len(p) for p in self.admitted.prompts)
         completion = sum(c.usage.completion_tokens if c.usage else len(c.token_ids)
                          for c in self.choices)
         firsts = {}
@@ -242,7 +261,7 @@ class Generation:
     def _ttft(self) -> float | None:
         """Seconds from arrival to the first token of the earliest choice (None: no token)."""
         firsts = [c.first_at for c in self.choices if c.first_at]
-        return round(min(firsts) - self.arrived, 4) if firsts else None
+        return round(min(firsts) - self.admitted.arrived, 4) if firsts else None
 
     def served_tokens(self) -> int:
         """What the tenant is charged: nothing when the server failed the request (5xx);
@@ -252,7 +271,7 @@ class Generation:
             return 0
         ran = {c.prompt_index for c in self.choices
                if c.token_ids or c.finish_reason in ("stop", "length")}
-        return sum(len(self.prompts[p]) for p in ran) + self.usage().completion_tokens
+        return sum(len(self.admitted.prompts[p]) for p in ran) + self.usage().completion_tokens
 
     async def close(self) -> None:
         """Idempotent; safe to call from a cancelled task (the work runs in its own task)."""
@@ -262,7 +281,7 @@ class Generation:
         await asyncio.shield(self.state.spawn(self._close()))
 
     async def _close(self) -> None:
-        st = self.state
+        st, a, grp = self.state, self.admitted, self.group
         for t in self._tasks:
             t.cancel()
         aborts = []
@@ -278,29 +297,35 @@ class Generation:
             c.replica.inflight -= 1
             st.engine_ids.discard(c.request.request_id)
             if c.finish_reason in ("stop", "length"):   # its cache holds prompt + output
-                self.group.remember(c.replica, [*c.request.prompt_token_ids, *c.token_ids],
-                                    self.principal.tenant)
-            st.metrics.requests.labels(self.group.id, c.finish_reason or "abort").inc()
-        self.group.admission.release(self.ticket)
+                grp.remember(c.replica, [*c.request.prompt_token_ids, *c.token_ids],
+                             a.principal.tenant)
+            st.metrics.requests.labels(grp.id, c.finish_reason or "abort").inc()
+        grp.admission.release(a.ticket)
         st.update_admission_gauges()
         st.generations.discard(self)
         u = self.usage()
-        now = time.monotonic()
-        st.metrics.e2e.labels(self.group.id).observe(now - self.arrived)
-        st.metrics.queue_time.labels(self.group.id).observe(self.ticket.queue_time)
-        st.metrics.prompt_tokens.labels(self.group.id, self.principal.tenant).inc(
-            u.prompt_tokens)
-        st.metrics.generation_tokens.labels(self.group.id, self.principal.tenant).inc(
-            u.completion_tokens)
+        latency = time.monotonic() - a.arrived
+        st.metrics.e2e.labels(grp.id).observe(latency)
+        st.metrics.queue_time.labels(grp.id).observe(a.ticket.queue_time)
+        st.metrics.prompt_tokens.labels(grp.id, a.principal.tenant).inc(u.prompt_tokens)
+        st.metrics.generation_tokens.labels(grp.id, a.principal.tenant).inc(u.completion_tokens)
         if st.audit is not None:
             st.audit.write({
-                "ts": round(time.time(), 3), "request_id": self.trace.request_id,
-                "trace_id": self.trace.trace_id, "tenant": self.principal.tenant,
-                "tier": self.principal.tier.name.lower(), "model": self.group.id,
-                "endpoint": self.endpoint, "status": self.status,
-                "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "cached_tokens": u.cached_tokens, "latency_s": round(now - self.arrived, 4),
-                "queue_s": round(self.ticket.queue_time, 4), "ttft_s": self._ttft(),
+                **audit_record(a.trace, a.principal, grp.id, a.endpoint, self.status, u, latency),
+                "queue_s": round(a.ticket.queue_time, 4), "ttft_s": self._ttft(),
                 "finish_reasons": [c.finish_reason for c in self.choices],
-                "replicas": [c.replica.name for c in self.choices], **self.audit_extra})
-        st.limiter.settle(self.reservation, self.served_tokens())
+                "replicas": [c.replica.name for c in self.choices],
+                **a.audit_extra(st.audit.include_prompts)})
+        st.limiter.settle(a.reservation, self.served_tokens())
+
+
+def audit_record(trace: TraceContext, principal: Principal | None, model: str | None,
+                 endpoint: str, status: int, usage: Usage, latency_s: float) -> dict[str, Any]:
+    """The fields every audit line starts with, in this order (gateway/audit.py); `principal`
+    and `model` are None on the line of a request that ended before they were known."""
+    return {"ts": round(time.time(), 3), "request_id": trace.request_id,
+            "trace_id": trace.trace_id, "tenant": principal.tenant if principal else None,
+            "tier": principal.tier.name.lower() if principal else None, "model": model,
+            "endpoint": endpoint, "status": status, "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,
+            "latency_s": round(latency_s, 4)}

@@ -1,0 +1,198 @@
+"""A Generation's events as an OpenAI response: `full_response` collects them into one JSON body;
+`stream_response` sends SSE chunks as they come (a role chunk first for chat), then any error of
+`failure(gen)` as one event, a usage chunk if asked for, and [DONE].  Either closes the
+Generation when it ends (`Generation.close()`), after `ended_by` set the status of one ended by
+an exception (499 client gone, 500 otherwise)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from quart import Response
+
+from xlaserve.serving.gateway.audit import utf8_json
+from xlaserve.serving.http.protocol import ApiError
+from xlaserve.serving.http.state import Choice, Generation
+from xlaserve.serving.tokenizer import Tokenizer
+from xlaserve.serving.types import EngineEvent, TokenLogprob, Usage
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None
+                  ) -> Response:
+    return Response(utf8_json(body), status=status, headers=headers,
+                    mimetype="application/json")
+
+
+def error_response(e: ApiError) -> Response:
+    return json_response(e.body(), e.status, e.headers)
+
+
+def shutting_down(message: str) -> ApiError:
+    """What a request refused or stopped by the shutdown drain answers."""
+    return ApiError(503, message, None, "server_shutting_down", {"Retry-After": "5"})
+
+
+def ended_by(e: BaseException) -> tuple[int, str]:
+    """(status, code) for the audit line of a request ended by an exception that is not
+    an ApiError: 499 when the client went away (its task was cancelled, or its stream
+    closed), else 500 (the server failed)."""
+    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+        return 499, "client_disconnected"
+    return 500, "internal_error"
+
+
+def failure(gen: Generation) -> ApiError | None:
+    """Once every choice ended: an engine failure or an abort we did not ask for becomes a 5xx
+    (not the client's fault: `gen.status` is set, so nothing is charged); None if all finished."""
+    if gen.stopped is not None and any(c.finish_reason == "abort" for c in gen.choices):
+        gen.status = 503
+        return shutting_down(gen.stopped)
+    for c in gen.choices:
+        if c.finish_reason == "error":
+            gen.status = 500
+            return ApiError(500, f"engine error: {c.error}", None, "engine_error")
+        if c.finish_reason == "abort":
+            gen.status = 503
+            return ApiError(503, "the request was aborted by the engine", None, "aborted")
+    return None
+
+
+async def render(gen: Generation) -> Response:
+    return stream_response(gen) if gen.admitted.parsed.stream else await full_response(gen)
+
+
+async def full_response(gen: Generation) -> Response:
+    parsed = gen.admitted.parsed
+    lps: dict[int, list[TokenLogprob]] = {c.index: [] for c in gen.choices}
+    try:
+        async for c, ev in gen.events():
+            lps[c.index].extend(ev.logprobs)
+        err = failure(gen)
+    except BaseException as e:
+        gen.status = ended_by(e)[0]  # close() aborts the engine requests
+        raise
+    finally:
+        await gen.close()
+    if err is not None:
+        return error_response(err)
+    choices = []
+    for c in gen.choices:
+        lp = logprobs_body(gen, lps[c.index], 0)
+        if parsed.kind == "chat":
+            choices.append({"index": c.index,
+                            "message": {"role": "assistant", "content": c.text},
+                            "logprobs": lp, "finish_reason": c.finish_reason})
+        else:
+            choices.append({"index": c.index, "text": c.text, "logprobs": lp,
+                            "finish_reason": c.finish_reason})
+    return json_response({
+        "id": response_id(gen), "object": "chat.completion" if parsed.kind == "chat"
+        else "text_completion", "created": int(time.time()), "model": gen.group.id,
+        "choices": choices, "usage": usage_dict(gen.usage())})
+
+
+def stream_response(gen: Generation) -> Response:
+    parsed = gen.admitted.parsed
+    rid, created, model = response_id(gen), int(time.time()), gen.group.id
+    chat = parsed.kind == "chat"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    offsets = {c.index: 0 for c in gen.choices}
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        body: dict[str, Any] = {"id": rid, "object": obj, "created": created,
+                                "model": model, "choices": choices}
+        if parsed.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def piece(c: Choice, ev: EngineEvent) -> dict[str, Any]:
+        lp = logprobs_body(gen, ev.logprobs, offsets[c.index])
+        offsets[c.index] += len(ev.text)
+        fr = ev.finish_reason if ev.finish_reason in ("stop", "length") else None
+        if chat:
+            return {"index": c.index, "delta": {"content": ev.text} if ev.text else {},
+                    "logprobs": lp, "finish_reason": fr}
+        return {"index": c.index, "text": ev.text, "logprobs": lp, "finish_reason": fr}
+
+    async def sse() -> AsyncIterator[str]:
+        try:
+            if chat:
+                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None} for c in gen.choices])
+            async for c, ev in gen.events():
+                if ev.finish_reason in ("error", "abort"):
+                    continue  # reported once, below, after every choice ended
+                if ev.text or ev.finished or ev.logprobs:
+                    yield chunk([piece(c, ev)])
+            err = failure(gen)
+            if err is not None:
+                yield f"data: {json.dumps(err.body())}\n\n"
+            if parsed.include_usage:
+                yield chunk([], usage_dict(gen.usage()))
+            yield "data: [DONE]\n\n"
+        except BaseException as e:
+            gen.status = ended_by(e)[0]
+            raise
+        finally:
+            await gen.close()
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    response = Response(sse(), mimetype="text/event-stream", headers=headers)
+    response.timeout = None  # a long generation is not a stuck response
+    return response
+
+
+def response_id(gen: Generation) -> str:
+    chat = gen.admitted.parsed.kind == "chat"
+    return ("chatcmpl-" if chat else "cmpl-") + gen.admitted.trace.request_id
+
+
+def usage_dict(u: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def logprobs_body(gen: Generation, entries: Sequence[TokenLogprob], offset: int
+                  ) -> dict[str, Any] | None:
+    """A choice's `logprobs` field (None when the client did not ask for it); `offset` is where
+    the entries' text starts in the choice's text (a completion's text_offset)."""
+    parsed, tok = gen.admitted.parsed, gen.group.tokenizer
+    if parsed.logprobs is None:
+        return None
+    if parsed.kind == "chat":
+        return chat_logprobs(entries, tok)
+    return completion_logprobs(entries, tok, offset)
+
+
+def token_text(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], tok: Tokenizer) -> dict[str, Any]:
+    """`bytes` are the token's own bytes (`Tokenizer.token_bytes`), so that a client can
+    rebuild a character split over several tokens."""
+    def one(tid: int, lp: float) -> dict[str, Any]:
+        return {"token": token_text(tok, tid), "logprob": lp,
+                "bytes": list(tok.token_bytes(tid))}
+
+    return {"content": [{**one(e.token_id, e.logprob),
+                         "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], tok: Tokenizer, offset: int
+                        ) -> dict[str, Any]:
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        t = token_text(tok, e.token_id)
+        tokens.append(t)
+        lps.append(e.logprob)
+        tops.append({token_text(tok, i): lp for i, lp in e.top})
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
