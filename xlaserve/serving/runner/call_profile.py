@@ -3,9 +3,10 @@
 A ModelRunner with a `CallProfile` attached waits for every call to finish and records it under
 its bucket (rows, tokens, width): calls, seconds, real tokens (the tokens its rows feed) and
 padded tokens (the bucket's tokens).  A bucket with one token per row (tokens == rows) is a
-decode step; any other holds prefill chunks, often with decode rows beside them.  Waiting serialises the pipeline — host scheduling of step
-n+1 no longer overlaps step n — so a profiled run is slower than a timed one and is only for
-splitting time among buckets ("count before you optimise").
+decode step; any other holds prefill chunks, often with decode rows beside them.  Waiting
+serialises the pipeline — host scheduling of step n+1 no longer overlaps step n — so a profiled
+run is slower than a timed one and is only for splitting time among buckets ("count before you
+optimise").
 """
 
 from __future__ import annotations

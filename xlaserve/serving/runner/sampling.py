@@ -8,10 +8,11 @@ same tokens whatever else is in the batch.  Greedy rows (temperature 0) take the
 No full sort of the vocabulary (XLA:CPU sorts [32, 49152] floats in ~260 ms, more than the
 step): rows without top-k / top-p draw from the whole (min-p cut) distribution through a
 two-level CDF (block sums, then within the block); rows with them draw among the
-CANDIDATES best tokens (kernels/top_k.py), exact whenever the kept set lies inside the candidates,
-and only a step where some row's set does not (top-p near 1 over a flat distribution, top-k
-above CANDIDATES) sorts the whole vocabulary (with the same kernel).  Logprobs are of the model's raw distribution, computed only in a step
-where some row asks for them (the others get zeros).
+CANDIDATES best tokens (kernels/top_k.py), exact whenever the kept set lies inside the
+candidates, and only a step where some row's set does not (top-p near 1 over a flat
+distribution, top-k above CANDIDATES) sorts the whole vocabulary (with the same kernel).
+Logprobs are of the model's raw distribution, computed only in a step where some row asks for
+them (the others get zeros).
 """
 
 from __future__ import annotations
