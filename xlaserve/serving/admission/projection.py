@@ -1,5 +1,5 @@
-"""How long would a new request wait before the engines start it?  A work-based projection over the engines'
-measured step costs (no jax, no clock: plain numbers in, seconds out).
+"""How long would a new request wait before the engines start it?  A work-based projection
+over the engines' measured step costs (no jax, no clock: plain numbers in, seconds out).
 
 An engine steps up to `max_running` sequences at once; in a full batch each of them gets one
 token per decode step (`step_s`), and a prompt costs `prompt_tokens / prefill_tokens_per_s` of

@@ -21,7 +21,8 @@ past them, so nothing is emitted twice). Order within a step:
 A running prefill chunk that does not fit shrinks to the blocks the pool has left; a running
 sequence that cannot get even one token's block preempts the lowest-priority, latest running
 sequence (possibly itself) until it fits: blocks freed, num_computed_tokens = 0, back to
-waiting ahead of its equal-priority peers. `add` rejects a request that could not fit the pool even alone.
+waiting ahead of its equal-priority peers. `add` rejects a request that could not fit the pool
+even alone.
 
 Pipelining. `schedule()` may run again before the previous plan's samples are known. A row that
 samples appends PENDING_TOKEN to its sequence at once, so the next step schedules it as a
