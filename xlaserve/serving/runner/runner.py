@@ -7,7 +7,8 @@
       -> [multi-host: process 0 broadcasts the HostStep; every process runs the same call]
       -> three int32 buffers (HostStep.packed: per row, per token, block tables), one transfer
          each, unpacked inside
-      -> two AOT-compiled calls on the mesh (inputs replicated on every device):
+      -> two AOT-compiled calls on the mesh (step_functions.py; inputs replicated on every
+         device):
          forward  tokens[PENDING_TOKEN] <- token_slots[row_slot[row]]  (sampled last step)
                   logits, kv = forward(...)                 (kv donated: updated in place)
                   one device: models.llama.forward; a bigger mesh: the shard_map forward
@@ -49,15 +50,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xlaserve.kernels.attention import resolve_backend
 from xlaserve.kernels.cpu import huge_pages
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import AttentionMetadata, KVCache, Params, forward, pack_params
+from xlaserve.models.llama import KVCache, Params, forward, pack_params
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.runner.call_profile import CallProfile
 from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS, HostStep
-from xlaserve.serving.runner.sampling import SampleOutput, SamplingArrays, sample
+from xlaserve.serving.runner.sampling import SampleOutput
 from xlaserve.serving.runner.step_channel import Op, StepChannel
-from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq, slot_mapping
+from xlaserve.serving.runner.step_functions import forward_step, sample_step
+from xlaserve.serving.scheduler.step_plan import ScheduledSeq, slot_mapping
 from xlaserve.sharding.layout import ShardLayout
-from xlaserve.sharding.parallel_forward import Forward, make_sharded_forward
+from xlaserve.sharding.parallel_forward import make_sharded_forward
 
 log = logging.getLogger(__name__)
 
@@ -121,39 +123,6 @@ class CallResult:
         return {name: np.asarray(v)[: self.rows] for name, v in host._asdict().items()}
 
 
-def _forward_step(params: Params, kv: KVCache, token_slots: jax.Array, rows: jax.Array,
-                  toks: jax.Array, tables: jax.Array, *, forward: Forward,
-                  config: ModelConfig, backend: str, replicated: NamedSharding | None
-                  ) -> tuple[KVCache, jax.Array]:
-    # rows: [ROW_FIELDS, R], toks: [TOKEN_FIELDS, T], tables: [R, W] (HostStep.packed)
-    tokens, positions, token_rows, slot_mapping = toks
-    logits_index, row_slot = rows[0], rows[1]
-    meta = AttentionMetadata(tables, token_rows, slot_mapping)
-    pending = token_slots[row_slot[jnp.clip(token_rows, 0, None)]]  # [T]
-    tokens = jnp.where(tokens == PENDING_TOKEN, pending, tokens)
-    logits, kv = forward(params, config, tokens, positions, kv, meta,
-                         logits_index=logits_index, attention_backend=backend)  # [R, V(/tp)]
-    if replicated is not None:   # gather the vocab shards: the sampler sees whole rows
-        logits = jax.lax.with_sharding_constraint(logits, replicated)   # [R, V]
-    return kv, logits
-
-
-def _sample_step(logits: jax.Array, token_slots: jax.Array, rows: jax.Array, bias: jax.Array
-                 ) -> tuple[jax.Array, SampleOutput]:
-    # logits: [R, V]; rows: [ROW_FIELDS, R] (HostStep.packed); bias: [R, V]
-    def f32(x: jax.Array) -> jax.Array:
-        return jax.lax.bitcast_convert_type(x, jnp.float32)
-
-    (_, row_slot, sample_mask, temperature, top_k, top_p, min_p, seed, counter,
-     logprobs) = rows
-    sampling = SamplingArrays(f32(temperature), top_k, f32(top_p), f32(min_p),
-                              jax.lax.bitcast_convert_type(seed, jnp.uint32), counter, bias,
-                              logprobs != 0)
-    out = sample(logits, sampling)
-    token_slots = token_slots.at[jnp.where(sample_mask != 0, row_slot, 0)].set(out.tokens)
-    return token_slots, out
-
-
 class ModelRunner:
     """Owns the device state of one model replica on one mesh and runs its compiled steps.
 
@@ -200,13 +169,13 @@ class ModelRunner:
         self._new_kv = jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
                                out_shardings=KVCache(kv_sharding, kv_sharding))  # compiled once
         self._jitted = jax.jit(
-            functools.partial(_forward_step, forward=fwd, config=config,
+            functools.partial(forward_step, forward=fwd, config=config,
                               backend=self.backend,
                               replicated=self.replicated if sharded else None),
             donate_argnames=("kv",),
             out_shardings=(KVCache(kv_sharding, kv_sharding), self.replicated))
         self._jitted_sample = jax.jit(
-            _sample_step, donate_argnames=("token_slots",),
+            sample_step, donate_argnames=("token_slots",),
             out_shardings=(self.replicated,
                            SampleOutput(*[self.replicated] * len(SampleOutput._fields))))
         # Multi-host: process 0 broadcasts every call's inputs (and resets) to the others.
