@@ -33,7 +33,8 @@ from xlaserve.kernels import flash
 from xlaserve.kernels.prefill_attention import prefill_attention_reference
 from xlaserve.kernels.validation import (check_block_tables, check_cache, check_int_vector,
                                          check_lengths, check_q_heads, check_sliding_window,
-                                         check_soft_cap, next_pow2, round_up)
+                                         check_soft_cap, check_triton_shapes, next_pow2,
+                                         round_up)
 
 # Programs to aim for when choosing the number of splits: a couple of waves on a 132-SM H200.
 TARGET_PROGRAMS = 264
@@ -172,14 +173,6 @@ def check_decode_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens) -> No
     check_block_tables(block_tables, b, num_blocks)
     check_int_vector("kv_lens", kv_lens, b)
     check_lengths(kv_lens, block_tables.shape[1] * bs)
-
-
-def check_triton_shapes(k_cache: jax.Array, pages_per_block: int) -> None:
-    """The Triton lowering needs power-of-two load shapes."""
-    _, _, bs, _, d = k_cache.shape
-    for name, n in (("block_size", bs), ("head_dim", d), ("pages_per_block", pages_per_block)):
-        if n & (n - 1):
-            raise ValueError(f"on GPU {name} must be a power of two, got {n}")
 
 
 def paged_attention(

@@ -34,9 +34,9 @@ from jax.experimental import pallas as pl
 from xlaserve.kernels import flash
 from xlaserve.kernels.validation import (check_block_tables, check_cache, check_int_vector,
                                          check_lengths, check_q_heads, check_sliding_window,
-                                         check_soft_cap, next_pow2, round_up)
+                                         check_soft_cap, check_triton_shapes, next_pow2,
+                                         round_up)
 
-MASK_VALUE = -1e30
 
 
 def gather_kv(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
@@ -81,7 +81,7 @@ def prefill_attention_reference(
         key_pos[None, None, :] < kv_lens[:, None, None])               # [B, T, S]
     if sliding_window is not None:  # the last `sliding_window` positions, the query's included
         valid &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    scores = jnp.where(valid[:, None, None], scores, MASK_VALUE)
+    scores = jnp.where(valid[:, None, None], scores, flash.MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
     q_valid = jnp.arange(t)[None, :] < q_lens[:, None]                 # [B, T]
@@ -226,8 +226,6 @@ def prefill_attention(
     interpret: bool = False,
 ) -> jax.Array:               # [B, T, H, D]
     """Ragged chunked-prefill attention through the Pallas kernel; `interpret=True` on CPU."""
-    from xlaserve.kernels.paged_attention import check_triton_shapes
-
     check_prefill_inputs(q, k_cache, v_cache, layer, block_tables, q_lens, kv_lens)
     _, t, h, _ = q.shape
     bs, kvh = k_cache.shape[2], k_cache.shape[3]

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.kernels.cpu import build
+from xlaserve.kernels.flash import MASK_VALUE
 from xlaserve.kernels.validation import (FLOAT_DTYPES, check_sliding_window, check_soft_cap,
                                          is_concrete)
 
-MASK_VALUE = -1e30
 REFERENCE_CHUNK = 16   # tokens per gather in the reference: 16 x W*bs x KVH x D floats at once
 
 

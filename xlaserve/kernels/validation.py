@@ -122,3 +122,11 @@ def next_pow2(n: int) -> int:
 
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def check_triton_shapes(k_cache: jax.Array, pages_per_block: int) -> None:
+    """The Triton lowering needs power-of-two load shapes."""
+    _, _, bs, _, d = k_cache.shape
+    for name, n in (("block_size", bs), ("head_dim", d), ("pages_per_block", pages_per_block)):
+        if n & (n - 1):
+            raise ValueError(f"on GPU {name} must be a power of two, got {n}")

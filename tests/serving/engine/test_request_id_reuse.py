@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from tests.serving.engine.conftest import collect, new_tiny_engine, request, tokens_of
-from xlaserve.serving.engine.async_engine import AsyncEngine
+from xlaserve.serving.engine.async_engine import ThreadedEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
 from xlaserve.serving.grpc.server import start_grpc_server
@@ -31,7 +31,7 @@ def expected(warm_tiny) -> list[int]:
 
 
 def test_submit_reusing_an_aborted_id_waits_until_the_engine_let_go(warm_tiny, expected):
-    front = AsyncEngine(new_tiny_engine(warm_tiny))
+    front = ThreadedEngine(new_tiny_engine(warm_tiny))
 
     async def events(rid: str, max_tokens: int) -> list[EngineEvent]:
         stream = front.submit(request(rid, PROMPT, max_tokens=max_tokens, ignore_eos=True))
@@ -75,7 +75,7 @@ def test_grpc_request_id_reused_right_after_a_cancel(warm_tiny, expected, monkey
         return events
 
     monkeypatch.setattr(engine, "step", gated_step)
-    front = AsyncEngine(engine, "tiny")
+    front = ThreadedEngine(engine, "tiny")
 
     def generate(stub: pb_grpc.GenerationStub, max_tokens: int):
         return stub.Generate(pb.GenerateRequest(

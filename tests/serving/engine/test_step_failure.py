@@ -1,6 +1,6 @@
 """A device error while a step's results are read back (JAX runs asynchronously, so a failed
 step often shows only there): the requests in flight end with "error", the others and later
-ones are served, in both engine modes and through the AsyncEngine thread."""
+ones are served, in both engine modes and through the ThreadedEngine thread."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from tests.serving.engine.conftest import collect, new_tiny_engine, request, tokens_of
 from xlaserve.serving.engine import LLMEngine
-from xlaserve.serving.engine.async_engine import AsyncEngine
+from xlaserve.serving.engine.async_engine import ThreadedEngine
 from xlaserve.serving.runner.runner import ModelRunner
 
 PROMPT = list(range(1000, 1020))
@@ -32,7 +32,7 @@ def lose_nth_result(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner, n: int
 
 
 def run_with_recovery(engine: LLMEngine) -> dict[str, list]:
-    """AsyncEngine._loop's contract, synchronously: a failed step is followed by
+    """ThreadedEngine._loop's contract, synchronously: a failed step is followed by
     fail_in_flight, which must not raise."""
     out: dict[str, list] = {}
     failures = 0
@@ -85,7 +85,7 @@ def test_async_engine_survives_read_back_error_and_failed_recovery(warm_tiny,
         real_reset()
 
     monkeypatch.setattr(engine.runner, "reset_state", reset_state)
-    front = AsyncEngine(engine)
+    front = ThreadedEngine(engine)
 
     async def finish_reasons(rid: str) -> list[str | None]:
         gen = front.submit(request(rid, PROMPT, max_tokens=6, ignore_eos=True))

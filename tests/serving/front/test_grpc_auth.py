@@ -28,7 +28,7 @@ from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
 from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV, WorkerAuth, channel_credentials
 from xlaserve.serving.grpc.server import worker_main
-from xlaserve.serving.http.server import build_engines
+from xlaserve.serving.http.server import build_model_engines
 from xlaserve.serving.server_config import GrpcClientConfig, ServedModel, ServerConfig
 
 TOKEN = "grpc-test-token-0123456789abcdef"
@@ -151,7 +151,7 @@ def test_mtls_needs_a_certificate_from_the_ca_and_the_token(tokenizer, pki, monk
 
 
 def test_remote_engine_with_credentials_behind_http(make_server, tokenizer, pki, monkeypatch):
-    """The [grpc] table's credentials reach RemoteEngine through build_engines; a front end
+    """The [grpc] table's credentials reach RemoteEngine through build_model_engines; a front end
     with the wrong token cannot start against the worker."""
     monkeypatch.setenv(DEFAULT_TOKEN_ENV, TOKEN)
     auth = WorkerAuth.load(str(pki.worker.cert), str(pki.worker.key), str(pki.ca))
@@ -159,7 +159,7 @@ def test_remote_engine_with_credentials_behind_http(make_server, tokenizer, pki,
     with Worker(engine, auth) as w:
         cfg = ServerConfig(grpc=mtls(pki, pki.front), models=(ServedModel(
             "fake", path=str(MODEL_DIR), replicas=(f"grpc://{w.target}",)),))
-        srv = make_server(cfg, asyncio.run(build_engines(cfg)))
+        srv = make_server(cfg, asyncio.run(build_model_engines(cfg)))
         assert wait_for(lambda: httpx.get(srv.url + "/ready").status_code == 200)
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         r = c.completions.create(model="fake", prompt=PROMPT, max_tokens=4)
@@ -167,7 +167,7 @@ def test_remote_engine_with_credentials_behind_http(make_server, tokenizer, pki,
         assert len(engine.submitted) == 1
 
         monkeypatch.setenv(DEFAULT_TOKEN_ENV, "wrong-token-0123456789abcdef")
-        (remote,) = asyncio.run(build_engines(cfg))["fake@1"]
+        (remote,) = asyncio.run(build_model_engines(cfg))["fake@1"]
 
         async def start() -> None:
             try:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from xlaserve.serving.engine.async_engine import AsyncEngine
+from xlaserve.serving.engine.async_engine import ThreadedEngine
 from xlaserve.serving.engine.async_engine import build as build_engines
 
 
-def build(served: Any) -> list[AsyncEngine]:
+def build(served: Any) -> list[ThreadedEngine]:
     engines = build_engines(served)
     for e in engines:
         def warmup(*args: Any, **kwargs: Any) -> None:

@@ -13,10 +13,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xlaserve.kernels.paged_attention import (check_decode_inputs, check_triton_shapes,
-                                              default_splits, merge_splits,
-                                              paged_attention_reference)
-from xlaserve.kernels.validation import check_soft_cap, next_pow2, round_up
+from xlaserve.kernels.paged_attention import (check_decode_inputs, default_splits,
+                                              merge_splits, paged_attention_reference)
+from xlaserve.kernels.validation import check_soft_cap, check_triton_shapes, next_pow2, round_up
 
 __all__ = ["paged_attention", "paged_attention_reference"]
 

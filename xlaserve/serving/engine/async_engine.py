@@ -15,7 +15,7 @@ were in flight and the loop keeps serving the rest.
 
 A mesh that spans processes (multi-host) is driven from process 0 only:
 
-    process 0: AsyncEngine thread                 process k > 0: AsyncEngine.follow()
+    process 0: ThreadedEngine's thread              process k > 0: ThreadedEngine.follow()
       warmup()            <── collectives ──>       warmup()   (same buckets, same order)
       step(); step(); ... ── runner broadcasts ──>  runner.follow(): the same calls
       shutdown: runner.close() ── STOP ─────────>   follow() returns
@@ -59,7 +59,10 @@ class _Waiter:
     released: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 
 
-class AsyncEngine:
+class ThreadedEngine:
+    """An LLMEngine on its own thread, behind the AsyncEngine protocol (engine_api.py) that
+    the front ends use."""
+
     def __init__(self, engine: LLMEngine, model_name: str = "default"):
         self.engine = engine
         self.model_name = model_name
@@ -331,7 +334,7 @@ def _resolve(future: asyncio.Future[str], value: str) -> None:
         future.set_result(value)
 
 
-def build(served: Any) -> list[AsyncEngine]:
+def build(served: Any) -> list[ThreadedEngine]:
     """The server's engine factory (`engine = "xlaserve.serving.engine.async_engine:build"`):
     load the model folder `served.path` (in `served.dtype`: replicas.serving_dtype) and wrap
     continuous-batching engines configured by `served.engine_args` (EngineConfig.from_args keys;
@@ -353,4 +356,4 @@ def build(served: Any) -> list[AsyncEngine]:
     # engine it serves with, the others the same runner, to `follow()`.
     engines = build_engines(served.path, EngineConfig.from_args(args), dtype=served.dtype,
                             warmup=False)
-    return [AsyncEngine(e, model_name=served.name) for e in engines]
+    return [ThreadedEngine(e, model_name=served.name) for e in engines]

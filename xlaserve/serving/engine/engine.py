@@ -22,7 +22,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import Params
@@ -138,8 +138,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} are outside "
                              f"the vocabulary [0, {vocab})")
-        if not request.arrival_time:
-            request.arrival_time = time.monotonic()
+        if not request.arrival_time:   # the caller's request stays as it was
+            request = replace(request, arrival_time=time.monotonic())
         self.scheduler.add(request)
         seed = request.sampling.seed
         if seed is None:

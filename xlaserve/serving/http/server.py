@@ -12,7 +12,7 @@ the same `xlaserve serve` command as one jax job whose mesh spans them:
     process 0                                   process k > 0
     initialize(), build the engine              initialize(), build the same engine
     HTTP front + scheduler; each step is        no HTTP: warm up the same buckets, then
-      broadcast to the followers ─────────────>   AsyncEngine.follow() until process 0 closes
+      broadcast to the followers ─────────────>   ThreadedEngine.follow() until process 0 closes
     SIGTERM: drain (see below), release followers -> exit 0
     a failed step (peer died): every request   process 0 died: the next collective raises
       gets an error, serving stops, exit 1        -> log, exit 1
@@ -91,7 +91,7 @@ def _import(path: str) -> Any:
         raise ValueError(f"engine={path!r} cannot be imported: {e}") from None
 
 
-async def build_engines(config: ServerConfig) -> dict[str, list[AsyncEngine]]:
+async def build_model_engines(config: ServerConfig) -> dict[str, list[AsyncEngine]]:
     from xlaserve.serving.grpc.auth import channel_credentials
     from xlaserve.serving.grpc.client import RemoteEngine
     from xlaserve.serving.tokenizer import Tokenizer
@@ -159,7 +159,7 @@ async def serve_async(config: ServerConfig, shutdown: asyncio.Event | None = Non
     """Serve until `shutdown` is set (or SIGINT/SIGTERM).  Raises PeerFailure when an engine
     on a multi-host mesh failed for good, EngineFailure when a local engine's warm-up failed
     (after answering the requests held and stopping)."""
-    engines = await build_engines(config)
+    engines = await build_model_engines(config)
     state = build_state(config, engines)
     shutdown = shutdown or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -199,7 +199,7 @@ def follow_main(config: ServerConfig) -> int:
     import jax
 
     pid, n = jax.process_index(), jax.process_count()
-    engine = multihost_engine(asyncio.run(build_engines(config)))
+    engine = multihost_engine(asyncio.run(build_model_engines(config)))
     print(f"xlaserve serve: process {pid} of {n}: following process 0 "
           f"({engine.model_name}, {jax.device_count()} devices)", file=sys.stderr, flush=True)
     try:
