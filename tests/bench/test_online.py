@@ -6,16 +6,15 @@ follows the SLO, failures counted by status, and the CLI's table, JSON and PNG."
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.serving.live_server import free_port, make_server, tokenizer  # noqa: F401 (fixtures)
 from xlaserve.bench.online import (
     OnlineOptions,
     parse_rates,
@@ -27,15 +26,6 @@ from xlaserve.bench.online import (
 from xlaserve.bench.online_report import SLO, summarize
 from xlaserve.bench.stream_client import Endpoint, TextRequest
 from xlaserve.serving.server_config import AdmissionConfig, ServedModel, ServerConfig
-
-FRONT = Path(__file__).resolve().parents[1] / "serving" / "front"
-sys.path.insert(0, str(FRONT))   # the front fixtures import fake_engine as a top-level module
-_spec = importlib.util.spec_from_file_location("front_fixtures", FRONT / "conftest.py")
-assert _spec is not None and _spec.loader is not None
-front = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(front)
-tokenizer = front.tokenizer          # fixtures: the SmolLM2 tokenizer, a live server factory
-make_server = front.make_server
 
 PREFILL, TOKEN = 0.05, 0.03          # the fake engine's delays, seconds
 METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
@@ -147,7 +137,7 @@ def test_timeouts_are_counted(make_server, tokenizer) -> None:
 
 
 def test_refused_connection_is_counted() -> None:
-    port = front.free_port()        # nothing listens there
+    port = free_port()        # nothing listens there
     ep = Endpoint(base_url=f"http://127.0.0.1:{port}/v1", model="fake", timeout_s=5)
     options = OnlineOptions(workload="tiny", rates=(math.inf,), progress=False)
     records, _, _ = asyncio.run(run_rate(ep, [TextRequest("r", "hi", 2)], math.inf, options))

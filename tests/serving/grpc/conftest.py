@@ -1,0 +1,4 @@
+"""The gRPC tests' fixtures: the SmolLM2 tokenizer and live servers over fake engines
+(tests/serving/live_server.py)."""
+
+from tests.serving.live_server import make_server, tokenizer  # noqa: F401 (fixtures)
