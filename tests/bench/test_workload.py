@@ -40,7 +40,7 @@ def test_seeded(tokenizer) -> None:
 def test_engine_config_holds_every_running_request(name) -> None:
     spec = WORKLOADS[name]
     for batch in (1, 8, 64):
-        c = spec.engine_config(batch)
+        c = spec.engine_config(batch).scheduler
         assert c.max_num_seqs >= batch
         assert c.max_model_len >= spec.prompt_max + spec.output_max
         per_seq = c.max_model_len // c.block_size

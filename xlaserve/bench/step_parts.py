@@ -27,11 +27,9 @@ from xlaserve.models.llama import (
     AttentionMetadata,
     _as_matrix,
     attention_backend_uses_kernels,
-    output_logits,
-    rms_norm,
+    final_logits,
 )
 from xlaserve.serving.runner.runner import ModelRunner, RowInput
-from xlaserve.serving.runner.sampling import SamplingArrays
 
 
 def _ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -90,23 +88,20 @@ def part_times(runner: ModelRunner, rows: Sequence[RowInput], repeats: int) -> d
 
     @jax.jit
     def head(params: Any, x: jax.Array) -> jax.Array:
-        x = rms_norm(x[:r], params["final_norm"], c.rms_norm_eps)
-        return output_logits(params, c, x, use_kernel=use_kernel)
+        return final_logits(params, c, x[:r], backend)
 
     logits = head(params, x)
     sampler = runner._compiled_sample[r]
-    sampling = SamplingArrays(*(jnp.asarray(a) for a in (
-        host.temperature, host.top_k, host.top_p, host.min_p, host.seed, host.counter)),
-        runner._zeros_bias(r), jnp.asarray(host.logprobs))
-    row_slot, mask = jnp.asarray(host.row_slot), jnp.asarray(host.sample_mask)
+    packed_rows, _, _ = runner._put(*host.packed())
+    bias = runner._zeros_bias(r)
 
     def sample() -> Any:
-        runner.token_slots, out = sampler(logits, runner.token_slots, row_slot, mask, sampling)
+        runner.token_slots, out = sampler(logits, runner.token_slots, packed_rows, bias)
         return out.tokens
 
     def lay_out() -> None:
         h = runner.host_step(rows)
-        jax.block_until_ready(runner._put(*h.arrays()))
+        jax.block_until_ready(runner._put(*h.packed()))
 
     return {
         "weights": _ms(lambda: weights(layers, x), repeats),

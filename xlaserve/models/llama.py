@@ -289,10 +289,16 @@ def forward(
     new_kv = KVCache(k_flat.reshape(kv.k.shape), v_flat.reshape(kv.v.shape))
     if logits_index is not None:
         x = x[logits_index]                                              # [R, E]
-    x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
-    logits = output_logits(params, c, x, use_kernel=attention_backend_uses_kernels(
-        attention_backend))
-    return logits, new_kv
+    return final_logits(params, c, x, attention_backend), new_kv
+
+
+def final_logits(params: Params, config: ModelConfig, hidden: jax.Array,
+                 attention_backend: str = "auto") -> jax.Array:
+    """The last hidden states [M, E] -> final norm -> logits [M, V] float32 (V / tp on a vocab
+    shard): the head of every forward, on one device or a mesh."""
+    x = rms_norm(hidden, params["final_norm"], config.rms_norm_eps)
+    return output_logits(params, config, x,
+                         use_kernel=attention_backend_uses_kernels(attention_backend))
 
 
 def output_logits(params: Params, config: ModelConfig, x: jax.Array, *,

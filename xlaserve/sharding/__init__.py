@@ -6,8 +6,9 @@
                                                    is split over which mesh axis; refuses what
                                                    cannot work with the numbers
            .param_shardings / .kv_sharding        checkpoints restore straight into these
-      -> make_sharded_forward(model, mesh)        models.llama.forward's signature, on the mesh
-                                                   (parallel_forward.py: tensor parallel layers,
-                                                   microbatched pipeline)
+           .init_kv_cache(mesh, blocks, bs)        the zero KV cache, placed (the runner's)
+      -> make_forward(model, mesh)                 models.llama.forward on one device, else the
+                                                   same signature on the mesh (parallel_forward.py:
+                                                   tensor parallel layers, microbatched pipeline)
       -> device_bytes(layout, ...)                 parameter and KV bytes per device (memory.py)
 """

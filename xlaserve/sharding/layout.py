@@ -13,6 +13,7 @@ it per device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -138,10 +139,14 @@ class ShardLayout:
 
     def init_kv_cache(self, mesh: Mesh, num_blocks: int, block_size: int,
                       dtype: str | None = None) -> KVCache:
-        """A zero KV cache created in place on every device (no host copy)."""
+        """A zero KV cache [L, N, bs, K, D] created in place on every device of `mesh` (no
+        host copy), by a program compiled once per shape (a runner resets its cache with it)."""
         c = self.model
         shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        dt = jnp.dtype(dtype or c.dtype)
-        sharding = self.kv_sharding(mesh)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
+        zeros = _zeros(shape, jnp.dtype(dtype or c.dtype).name, self.kv_sharding(mesh))
         return KVCache(zeros(), zeros())
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros(shape: tuple[int, ...], dtype: str, sharding: NamedSharding) -> Any:
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

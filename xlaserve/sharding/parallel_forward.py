@@ -41,13 +41,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from xlaserve.kernels.attention import attention
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import (AttentionMetadata, CacheGeometry, KVCache, Params,
-                                   attention_backend_uses_kernels, decoder_layers,
-                                   output_logits, rms_norm)
+from xlaserve.models.llama import (
+    AttentionMetadata,
+    CacheGeometry,
+    KVCache,
+    Params,
+    decoder_layers,
+    final_logits,
+    forward,
+)
 from xlaserve.sharding.layout import ShardLayout
 
 Forward = Callable[..., tuple[jax.Array, KVCache]]
@@ -70,6 +77,15 @@ def _shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any)
 def microbatch_count(batch: int, wanted: int) -> int:
     """The largest divisor of `batch` that is at most `wanted` (tokens split evenly)."""
     return max(m for m in range(1, min(batch, wanted) + 1) if batch % m == 0)
+
+
+def make_forward(config: ModelConfig, mesh: Mesh, *,
+                 num_microbatches: int | None = None) -> Forward:
+    """The forward for `mesh`: models.llama.forward itself on one device, else the shard_map
+    program below (make_sharded_forward); the caller need not tell the cases apart."""
+    if mesh.devices.size == 1:
+        return forward
+    return make_sharded_forward(config, mesh, num_microbatches=num_microbatches)
 
 
 def make_sharded_forward(config: ModelConfig, mesh: Mesh, *,
@@ -152,9 +168,7 @@ def _device_step(layout: ShardLayout, m: int, all_tokens: bool, attention_backen
         hidden, k_flat, v_flat = _pipeline(
             run_stage, all_tokens, m, pp, x, positions, meta, logits_index, k_flat, v_flat)
 
-    hidden = rms_norm(hidden, params["final_norm"], c.rms_norm_eps)    # [R or T, E]
-    logits = output_logits(params, c, hidden, use_kernel=attention_backend_uses_kernels(
-        attention_backend))                                             # [R or T, V/tp]
+    logits = final_logits(params, c, hidden, attention_backend)        # [R or T, V/tp]
     return logits, k_flat.reshape(cache_shape), v_flat.reshape(cache_shape)
 
 

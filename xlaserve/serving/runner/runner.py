@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xlaserve.kernels.attention import resolve_backend
 from xlaserve.kernels.cpu import huge_pages
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import KVCache, Params, forward, pack_params
+from xlaserve.models.llama import KVCache, Params, pack_params
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.runner.call_profile import CallProfile
 from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS, HostStep
@@ -59,7 +59,7 @@ from xlaserve.serving.runner.step_channel import Op, StepChannel
 from xlaserve.serving.runner.step_functions import forward_step, sample_step
 from xlaserve.serving.scheduler.step_plan import ScheduledSeq, slot_mapping
 from xlaserve.sharding.layout import ShardLayout
-from xlaserve.sharding.parallel_forward import make_sharded_forward
+from xlaserve.sharding.parallel_forward import make_forward
 
 log = logging.getLogger(__name__)
 
@@ -161,13 +161,9 @@ class ModelRunner:
             self.params = pack_params(self.params)   # weight panels for the CPU kernels
             huge_pages.advise(self.params)
         sharded = mesh.devices.size > 1
-        fwd = make_sharded_forward(config, mesh, num_microbatches=num_microbatches) \
-            if sharded else forward
+        fwd = make_forward(config, mesh, num_microbatches=num_microbatches)
         kv_sharding = self.layout.kv_sharding(mesh)
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        dtype = jnp.dtype(kv_dtype or config.dtype)
-        self._new_kv = jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
-                               out_shardings=KVCache(kv_sharding, kv_sharding))  # compiled once
+        self.kv_dtype = kv_dtype
         self._jitted = jax.jit(
             functools.partial(forward_step, forward=fwd, config=config,
                               backend=self.backend,
@@ -203,7 +199,8 @@ class ModelRunner:
         self._fresh_state()
 
     def _fresh_state(self) -> None:
-        self.kv = self._new_kv()
+        self.kv = self.layout.init_kv_cache(self.mesh, self.num_blocks, self.block_size,
+                                            self.kv_dtype)
         if self.backend == "cpu":
             huge_pages.advise(self.kv)
         (self.token_slots,) = self._put(np.zeros(self.max_num_seqs + 1, np.int32))
