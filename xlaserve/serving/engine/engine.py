@@ -117,8 +117,8 @@ class LLMEngine:
                              f"block_size={runner.block_size}) is smaller than {engine_config}")
         self.runner = runner
         self._outputs: dict[str, OutputState] = {}
-        self._slots: dict[str, int] = {}
-        self._free_slots = list(range(s.max_num_seqs, 0, -1))
+        self._token_slots: dict[str, int] = {}
+        self._free_token_slots = list(range(s.max_num_seqs, 0, -1))
         self._in_flight: deque[_Launched] = deque()
         self._rng = random.Random(engine_config.seed)
         self._ready: list[EngineEvent] = []   # made, not yet returned by step()
@@ -177,7 +177,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
         for rid in plan.preempted:  # recomputed from known tokens: its slot is not needed
-            self._release_slot(rid)
+            self._release_token_slot(rid)
         t1 = time.perf_counter()
         self.host_time.schedule += t1 - t0
         if not plan.is_empty:
@@ -220,10 +220,10 @@ class LLMEngine:
                    for launched in self._in_flight for r in launched.plan.rows
                    if r.request_id in self._outputs)
 
-    def _slot(self, request_id: str) -> int:
-        if request_id not in self._slots:
-            self._slots[request_id] = self._free_slots.pop()
-        return self._slots[request_id]
+    def _token_slot(self, request_id: str) -> int:
+        if request_id not in self._token_slots:
+            self._token_slots[request_id] = self._free_token_slots.pop()
+        return self._token_slots[request_id]
 
     def _row(self, row: ScheduledSeq) -> RowInput:
         state = self._outputs[row.request_id]
@@ -234,7 +234,7 @@ class LLMEngine:
             sampling = RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                    min_p=s.min_p, seed=state.seed, counter=counter,
                                    bias=state.penalty_bias(), logprobs=s.logprobs is not None)
-        return RowInput(row, self._slot(row.request_id), sampling or RowSampling())
+        return RowInput(row, self._token_slot(row.request_id), sampling or RowSampling())
 
     def _launch(self, launched: _Launched) -> None:
         launched.call = self.runner.run([self._row(r) for r in launched.plan.rows])
@@ -309,14 +309,14 @@ class LLMEngine:
         self.runner.reset_state()
         return events
 
-    def _release_slot(self, request_id: str) -> None:
-        slot = self._slots.pop(request_id, None)
+    def _release_token_slot(self, request_id: str) -> None:
+        slot = self._token_slots.pop(request_id, None)
         if slot is not None:
-            self._free_slots.append(slot)
+            self._free_token_slots.append(slot)
 
     def _final(self, request_id: str, reason: str, state) -> EngineEvent:
         out = self._outputs.pop(request_id)
-        self._release_slot(request_id)
+        self._release_token_slot(request_id)
         cached = state.num_cached_tokens if state is not None else 0
         usage = Usage(len(out.request.prompt_token_ids), len(out.output_ids), cached)
         return EngineEvent(request_id, finish_reason=reason, usage=usage)

@@ -100,7 +100,7 @@ class RowInput:
     [1, max_num_seqs]), and how it samples.  `ModelRunner.row` makes one by hand."""
 
     seq: ScheduledSeq
-    slot: int
+    token_slot: int
     sampling: RowSampling = GREEDY
 
 
@@ -296,12 +296,13 @@ class ModelRunner:
                                f"{jax.process_index()} must call follow()")
 
     def row(self, token_ids: Sequence[int], start_position: int, block_table: Sequence[int],
-            slot: int, sample: bool = True, sampling: RowSampling = GREEDY) -> RowInput:
+            token_slot: int, sample: bool = True, sampling: RowSampling = GREEDY) -> RowInput:
         """A row made by hand (benchmarks, calibration), as the scheduler would plan it."""
         n = len(token_ids)
         return RowInput(ScheduledSeq("", tuple(token_ids), start_position, tuple(block_table),
                                      slot_mapping(block_table, start_position, n,
-                                                  self.block_size), sample), slot, sampling)
+                                                  self.block_size), sample), token_slot,
+                        sampling)
 
     def bucket(self, rows: Sequence[RowInput]) -> tuple[int, int, int]:
         """The (rows, tokens, width) bucket a call over `rows` runs in."""
@@ -349,7 +350,7 @@ class ModelRunner:
             tables[i, : len(seq.block_table)] = seq.block_table
             logits_index[i] = at + k - 1
             at += k
-            row_slot[i] = row.slot
+            row_slot[i] = row.token_slot
             sample_mask[i] = seq.sample
             s = row.sampling
             temperature[i], top_p[i], min_p[i] = s.temperature, s.top_p, s.min_p
