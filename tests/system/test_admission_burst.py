@@ -1,9 +1,9 @@
 """A burst against a real server (SmolLM2, 4 sequences, an internal-tier SLO of 3 s): admission
 projects each newcomer's wait from the work ahead of it (prompt + max_tokens) over the engine's
 measured step costs, so the requests it admits wait in its queue within the SLO (p99, from the
-server's audit lines) and get their first token within the SLO plus one step (their own
-prefill); the rest get 429 with a Retry-After that grows with the queue, and the server then
-answers normally."""
+server's audit lines) and get their first token within the SLO plus the step in flight and the
+step with their prefill; the rest get 429 with a Retry-After that grows with the queue, and the
+server then answers normally."""
 
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ def test_burst_admits_within_the_slo_and_429s_the_rest(burst_server):
     served = [a for a in served if a["status"] == 200]
     assert len(served) == len(ok)
     assert p99([a["queue_s"] for a in served]) <= SLO_S, served
-    assert p99([a["ttft_s"] for a in served]) <= SLO_S + one_step, served
+    # its first token: the step in flight when it was admitted, then the one with its prefill
+    assert p99([a["ttft_s"] for a in served]) <= SLO_S + 2 * one_step, served
     assert all(r["tokens"] == MAX_TOKENS for r in ok), [r["tokens"] for r in ok]
     retry = [int(r["retry_after"]) for r in rejected]
     assert all(1 <= s <= 60 for s in retry), retry
