@@ -51,7 +51,7 @@ def test_next_launch_time_lies_within_the_step_in_flight(warm_tiny, monkeypatch)
     assert engine.clock.seconds, "no step time learnt"
     engine.step()
     at = engine.next_launch_at(0.0)
-    last = engine._in_flight[-1]
+    last = engine._calls[engine.scheduler.in_flight[-1].step_id]
     took = engine.clock.seconds[last.call.bucket]
     assert at == max(last.launched_at, engine.clock.device_free_at) + took
     assert engine.next_launch_at(0.004) == at - 0.004

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -119,7 +118,8 @@ class LLMEngine:
         self._outputs: dict[str, OutputState] = {}
         self._token_slots: dict[str, int] = {}
         self._free_token_slots = list(range(s.max_num_seqs, 0, -1))
-        self._in_flight: deque[_Launched] = deque()
+        # the calls of the scheduler's plans in flight (their order: scheduler.in_flight)
+        self._calls: dict[int, _Launched] = {}
         self._rng = random.Random(engine_config.seed)
         self._ready: list[EngineEvent] = []   # made, not yet returned by step()
         self.num_steps = 0
@@ -164,7 +164,7 @@ class LLMEngine:
                  1e3 * costs.step_s, costs.max_running, costs.prefill_tokens_per_s)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._in_flight) or bool(self._ready)
+        return self.scheduler.has_unfinished or bool(self._calls) or bool(self._ready)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -172,7 +172,7 @@ class LLMEngine:
         """One step's events.  When it raises (a device error may surface at launch or only
         when results are read), the events made so far and the plans in flight stay with the
         engine for `fail_in_flight`."""
-        if self._in_flight and (not self.config.pipelined or self._needs_host_tokens()):
+        if self._calls and (not self.config.pipelined or self._needs_host_tokens()):
             self._process_oldest()
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
@@ -182,13 +182,13 @@ class LLMEngine:
         self.host_time.schedule += t1 - t0
         if not plan.is_empty:
             launched = _Launched(plan, launched_at=time.monotonic())
-            self._in_flight.append(launched)  # before launching: a failure must see it
+            self._calls[plan.step_id] = launched  # before launching: a failure must see it
             self._launch(launched)
             self.num_steps += 1
             self.host_time.steps += 1
             self.host_time.launch += time.perf_counter() - t1
         keep = 1 if (self.config.pipelined and not plan.is_empty) else 0
-        while len(self._in_flight) > keep:
+        while len(self._calls) > keep:
             self._process_oldest()
         events, self._ready = self._ready, []
         return events
@@ -199,9 +199,9 @@ class LLMEngine:
         pipelined, a step already done, or no timing yet for its bucket.  Scheduling late
         lets requests that arrive while the device works join the next step instead of the
         one after it (one step less of time to first token)."""
-        if not self.config.pipelined or not self._in_flight:
+        if not self.config.pipelined or not self._calls:
             return None
-        last = self._in_flight[-1]
+        last = self._calls[self.scheduler.in_flight[-1].step_id]
         if last.call is None or last.call.ready():
             return None
         end = self.clock.expected_end(last.call.bucket, last.launched_at)
@@ -209,7 +209,7 @@ class LLMEngine:
 
     def in_flight_ready(self) -> bool:
         """Has the device finished every step in flight?"""
-        return all(x.call is None or x.call.ready() for x in self._in_flight)
+        return all(x.call is None or x.call.ready() for x in self._calls.values())
 
     def run_until_done(self) -> Iterator[EngineEvent]:
         while self.has_work():
@@ -217,7 +217,7 @@ class LLMEngine:
 
     def _needs_host_tokens(self) -> bool:
         return any(self._outputs[r.request_id].uses_penalties
-                   for launched in self._in_flight for r in launched.plan.rows
+                   for plan in self.scheduler.in_flight for r in plan.rows
                    if r.request_id in self._outputs)
 
     def _token_slot(self, request_id: str) -> int:
@@ -240,9 +240,10 @@ class LLMEngine:
         launched.call = self.runner.run([self._row(r) for r in launched.plan.rows])
 
     def _process_oldest(self) -> None:
-        """Read back the oldest step in flight; it leaves `_in_flight` only once processed."""
-        self._process(self._in_flight[0])
-        self._in_flight.popleft()
+        """Read back the oldest step in flight; its call is forgotten only once processed."""
+        step_id = self.scheduler.in_flight[0].step_id
+        self._process(self._calls[step_id])
+        del self._calls[step_id]
 
     def _process(self, launched: _Launched) -> None:
         sampled: dict[str, int] = {}
@@ -295,7 +296,7 @@ class LLMEngine:
         go on from a fresh KV cache.  Waiting requests (holding no blocks) are served
         afterwards."""
         victims = set(self.scheduler.kv_cache.request_ids())
-        for launched in self._in_flight:
+        for launched in self._calls.values():
             victims.update(r.request_id for r in launched.plan.rows)
         events, self._ready = self._ready, []
         for rid in sorted(victims):
@@ -303,7 +304,7 @@ class LLMEngine:
                 final = self._final(rid, "error", self.scheduler.finish(rid, "error"))
                 events.append(EngineEvent(rid, finish_reason="error", usage=final.usage,
                                           error=error))
-        self._in_flight.clear()
+        self._calls.clear()
         self.scheduler.drop_in_flight()
         self.scheduler.kv_cache.pool.forget_hashes()
         self.runner.reset_state()

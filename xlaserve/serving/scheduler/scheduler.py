@@ -96,7 +96,7 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}
         self._running: dict[str, Sequence] = {}
         self._waiting: dict[str, Sequence] = {}
-        self._in_flight: deque[tuple[int, frozenset[str]]] = deque()  # plans awaiting update
+        self._in_flight: deque[StepPlan] = deque()  # plans made, not yet updated, oldest first
         self._next_seq_no = 0
         self._num_steps = 0
         self._num_preemptions = 0
@@ -107,7 +107,7 @@ class Scheduler:
     def add(self, request: GenerationRequest) -> None:
         """Queue a request; ValueError when it could never run."""
         rid, prompt, cfg = request.request_id, request.prompt_token_ids, self.config
-        if rid in self._seqs or any(rid in ids for _, ids in self._in_flight):
+        if rid in self._seqs or any(rid in plan.request_ids for plan in self._in_flight):
             raise ValueError(f"request_id {rid!r} is already in use")
         if not prompt:
             raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
@@ -189,7 +189,7 @@ class Scheduler:
             if sampled:
                 raise ValueError(f"step {plan.step_id} is empty, got samples for {list(sampled)}")
             return {}
-        expected = self._in_flight[0][0] if self._in_flight else None
+        expected = self._in_flight[0].step_id if self._in_flight else None
         if plan.step_id != expected:
             raise ValueError(f"update for step {plan.step_id}, expected step {expected}: "
                              "update each non-empty plan once, in order")
@@ -207,6 +207,12 @@ class Scheduler:
             assert tokens[row.sample_position] == PENDING_TOKEN, (rid, row.sample_position)
             tokens[row.sample_position] = sampled[rid]
         return {rid: sampled[rid] for rid in live}
+
+    @property
+    def in_flight(self) -> tuple[StepPlan, ...]:
+        """The non-empty plans made and not yet updated, oldest first: the engine's steps in
+        flight (its one queue of them)."""
+        return tuple(self._in_flight)
 
     def drop_in_flight(self) -> None:
         """Forget every plan not yet updated: its samples are lost (a failed device step).
@@ -293,7 +299,7 @@ class Scheduler:
         plan = StepPlan(self._num_steps, tuple(decodes), tuple(prefills), tuple(draft.preempted))
         self._num_steps += 1
         if not plan.is_empty:
-            self._in_flight.append((plan.step_id, frozenset(draft.entries)))
+            self._in_flight.append(plan)
         return plan
 
     def _preempt(self, seq: Sequence) -> None:

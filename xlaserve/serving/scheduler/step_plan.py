@@ -73,5 +73,9 @@ class StepPlan:
         return not self.decodes and not self.prefills
 
     @property
+    def request_ids(self) -> frozenset[str]:
+        return frozenset(r.request_id for r in self.rows)
+
+    @property
     def sampling_ids(self) -> tuple[str, ...]:
         return tuple(r.request_id for r in self.rows if r.sample)
