@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.serving.fake_clock import Clock
 from xlaserve.serving.admission import AdmissionController, Rejected, Work
 from xlaserve.serving.engine_api import ServiceCosts
 from xlaserve.serving.server_config import AdmissionConfig
@@ -18,14 +19,6 @@ from xlaserve.serving.types import Tier
 # 50 / 100 + 10 * 0.1 = 1.5 s
 COSTS = ServiceCosts(max_running=1, step_s=0.1, prefill_tokens_per_s=100.0)
 W = Work(prompt_tokens=50, max_tokens=10)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_admission_estimate_slo_retry_after_and_timeout():

@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.serving.fake_clock import Clock
 from xlaserve.serving.gateway.ratelimit import RateLimited, RateLimiter
 from xlaserve.serving.gateway.tracing import TraceContext
 from xlaserve.serving.server_config import TierLimits
 from xlaserve.serving.types import Tier
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_token_bucket_debt_and_refill():

@@ -12,15 +12,23 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.serving.live_server import wait_for
 from tests.serving.fake_engine import FakeEngine, expected_ids
 from tests.serving.grpc.grpc_worker import Worker
+from tests.serving.live_server import wait_for
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
 from xlaserve.serving.grpc.client import RemoteEngine
 from xlaserve.serving.grpc.server import start_grpc_server
 from xlaserve.serving.server_config import ServedModel, ServerConfig
 from xlaserve.serving.types import EngineEvent, GenerationRequest
+
+
+async def freed(eng: FakeEngine, rid: str, timeout: float = 2.0) -> None:
+    """Wait (up to `timeout`) until `rid` was aborted and its blocks are back."""
+    for _ in range(int(timeout / 0.02)):
+        if rid in eng.aborted and eng.blocks_in_use == 0:
+            return
+        await asyncio.sleep(0.02)
 
 
 def test_generate_stream_models_health_deadline_cancel(tokenizer):
@@ -63,10 +71,7 @@ def test_generate_stream_models_health_deadline_cancel(tokenizer):
                             sampling=pb.SamplingParams(max_tokens=200)), timeout=0.3):
                         pass
                 assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                for _ in range(100):
-                    if "slow" in eng.aborted and eng.blocks_in_use == 0:
-                        break
-                    await asyncio.sleep(0.02)
+                await freed(eng, "slow")
                 assert "slow" in eng.aborted and eng.blocks_in_use == 0
                 assert "slow" in eng.abort_calls
 
@@ -77,10 +82,7 @@ def test_generate_stream_models_health_deadline_cancel(tokenizer):
                 await call.read()
                 await call.read()
                 call.cancel()
-                for _ in range(100):
-                    if "cancelme" in eng.aborted and eng.blocks_in_use == 0:
-                        break
-                    await asyncio.sleep(0.02)
+                await freed(eng, "cancelme")
                 assert "cancelme" in eng.aborted and eng.blocks_in_use == 0
                 assert "cancelme" in eng.abort_calls
         finally:

@@ -50,14 +50,14 @@ class EngineConfig:
         return _SCHEDULER_KEYS | {f.name for f in fields(EngineConfig)} - {"scheduler"}
 
     @classmethod
-    def from_args(cls, args: Mapping[str, Any] = {}, **kwargs: Any) -> EngineConfig:  # noqa: B006
+    def from_args(cls, args: Mapping[str, Any] | None = None, **kwargs: Any) -> EngineConfig:
         """From flat keys (see the module docstring); an unknown key is a ValueError naming
         it."""
         return cls().with_args(args, **kwargs)
 
-    def with_args(self, args: Mapping[str, Any] = {}, **kwargs: Any) -> EngineConfig:  # noqa: B006
+    def with_args(self, args: Mapping[str, Any] | None = None, **kwargs: Any) -> EngineConfig:
         """A copy with the flat keys `args` / `kwargs` changed."""
-        merged = {**args, **kwargs}
+        merged = {**(args or {}), **kwargs}
         unknown = sorted(set(merged) - self.arg_names())
         if unknown:
             raise ValueError(f"unknown engine setting(s) {unknown}; known: "

@@ -71,11 +71,13 @@ class StepClock:
         self.seconds: dict[tuple[int, int, int], float] = {}
         self.device_free_at = 0.0   # when the last fetched step ended
 
-    def record(self, bucket: tuple[int, int, int], launched_at: float, done_at: float) -> None:
+    def record(self, bucket: tuple[int, int, int], launched_at: float, done_at: float) -> float:
+        """A step of `bucket` launched at `launched_at` ended at `done_at`: its device time."""
         took = done_at - max(launched_at, self.device_free_at)
         old = self.seconds.get(bucket)
         self.seconds[bucket] = took if old is None else old + self.weight * (took - old)
         self.device_free_at = done_at
+        return took
 
     def fetched(self, bucket: tuple[int, int, int], launched_at: float,
                 waited: bool) -> float | None:
@@ -85,9 +87,7 @@ class StepClock:
         if not waited:
             self.device_free_at = max(self.device_free_at, launched_at)
             return None
-        start = max(launched_at, self.device_free_at)
-        self.record(bucket, launched_at, time.monotonic())
-        return self.device_free_at - start
+        return self.record(bucket, launched_at, time.monotonic())
 
     def expected_end(self, bucket: tuple[int, int, int], launched_at: float) -> float | None:
         took = self.seconds.get(bucket)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import replace
 
 from xlaserve.serving.engine_api import ServiceCosts
 from xlaserve.serving.runner.runner import ModelRunner, RowInput
@@ -39,11 +40,10 @@ class CostMeter:
         if seconds <= 0:
             return
         if prompt_tokens == 0 and 4 * rows >= 3 * c.max_running:
-            self.costs = ServiceCosts(c.max_running, self._mix(c.step_s, seconds),
-                                      c.prefill_tokens_per_s)
+            self.costs = replace(c, step_s=self._mix(c.step_s, seconds))
         elif prompt_tokens >= MIN_PREFILL_TOKENS:
-            self.costs = ServiceCosts(c.max_running, c.step_s,
-                                      self._mix(c.prefill_tokens_per_s, prompt_tokens / seconds))
+            self.costs = replace(c, prefill_tokens_per_s=self._mix(c.prefill_tokens_per_s,
+                                                                   prompt_tokens / seconds))
 
     def calibrate(self, runner: ModelRunner, *, context: int, prefill_tokens: int,
                   repeats: tuple[int, int] = (8, 3)) -> ServiceCosts:

@@ -46,23 +46,20 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._seen)
 
-    def matched(self, chain: Sequence[int]) -> int:
-        """How many leading blocks of `chain` this replica was sent (and may still hold)."""
-        n = 0
-        for h in chain:
-            if h not in self._seen:
-                break
-            n += 1
-        return n
-
-    def shared(self, chain: Sequence[int], at_least: int) -> int:
-        """How many leading blocks of `chain` were added `at_least` times."""
+    def matched(self, chain: Sequence[int], at_least: int = 1) -> int:
+        """How many leading blocks of `chain` were added (at least `at_least` times): for a
+        replica's index, the blocks it was sent and may still hold."""
         n = 0
         for h in chain:
             if self._seen.get(h, 0) < at_least:
                 break
             n += 1
         return n
+
+    def shared(self, chain: Sequence[int], at_least: int) -> int:
+        """For the group-wide index: how many leading blocks of `chain` were in `at_least`
+        routed prompts (a prefix most prompts share)."""
+        return self.matched(chain, at_least)
 
     def add(self, chain: Sequence[int]) -> None:
         """Record the blocks of `chain` (now the most recent; each counted once more),
