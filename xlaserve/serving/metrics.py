@@ -1,7 +1,7 @@
 """Prometheus metrics, one CollectorRegistry per app (never the global one), close to vLLM's
 core set.  Request-path metrics are observed by the front end as events pass; engine state
 (running, waiting, KV usage, prefix cache, preemptions) is read from `engine.stats()`, and the
-step costs admission projects from from `engine.service_costs()`, at scrape time by a
+step costs admission projects from (`engine.service_costs()`), at scrape time by a
 collector, so it is never stale and costs nothing between scrapes.
 """
 
