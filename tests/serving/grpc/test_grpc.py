@@ -24,9 +24,11 @@ from xlaserve.serving.types import EngineEvent, GenerationRequest
 
 
 async def freed(eng: FakeEngine, rid: str, timeout: float = 2.0) -> None:
-    """Wait (up to `timeout`) until `rid` was aborted and its blocks are back."""
+    """Wait (up to `timeout`) until `rid` ended aborted, its blocks are back and the server's
+    abort call reached the engine (it runs after the stream's cancellation, in a task of its
+    own, so it may come a moment after the other two)."""
     for _ in range(int(timeout / 0.02)):
-        if rid in eng.aborted and eng.blocks_in_use == 0:
+        if rid in eng.aborted and eng.blocks_in_use == 0 and rid in eng.abort_calls:
             return
         await asyncio.sleep(0.02)
 
