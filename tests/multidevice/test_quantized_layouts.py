@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from xlaserve.checkpoints.store import load_config, load_params, save_params
+from xlaserve.kernels.kv_quant import dequantize_rows
 from xlaserve.models.llama import init_kv_cache
 from xlaserve.models.quantize import quantize_params
 from xlaserve.sharding.layout import ShardLayout
@@ -74,3 +75,28 @@ def test_sharded_int8_equals_one_device(folders, tensor: int, source: str) -> No
         # within int8's resolution, not bit for bit.
         tol = 1e-5 if source == "int8" else 2e-2 * float(np.abs(want).max())
         np.testing.assert_allclose(logits, want, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("pipeline,tensor", [(1, 2), (2, 2)], ids=["tp2", "tp2xpp2"])
+def test_int8_kv_cache_on_a_mesh_equals_one_device(folders, pipeline: int, tensor: int) -> None:
+    """int8 weights and the int8 KV cache (rows with their scales) through tensor and
+    pipeline parallelism: the one-device logits, and the same int8 rows written."""
+    one = jax.device_get(load_params(folders["int8"], INT8, make_mesh()))
+    mesh = make_mesh(MeshConfig(pipeline=pipeline, tensor=tensor))
+    layout = ShardLayout.create(INT8, mesh)
+    sharded = load_params(folders["int8"], INT8, mesh)
+    steps = [ragged_prefill(INT8.vocab_size), decode_after_prefill(INT8.vocab_size)]
+    expected = reference(one, INT8, steps,
+                         init_kv_cache(INT8, NUM_BLOCKS, BLOCK_SIZE, "int8"))
+    fwd = make_sharded_forward(INT8, mesh)
+    kv = layout.init_kv_cache(mesh, NUM_BLOCKS, BLOCK_SIZE, "int8")
+    assert kv.k.dtype == np.int8 and kv.k.shape[-1] == INT8.head_dim + 4
+    for step, (want, want_kv) in zip(steps, expected):
+        logits, kv = run(fwd, sharded, INT8, step, kv)
+        # A key the mesh computes 1e-7 apart may round to the next int8 step (1/127 of its
+        # row's largest value): the cache agrees to one step, the logits to what that moves.
+        got_k, want_k = (np.asarray(dequantize_rows(a))[:, 1:] for a in (kv.k, want_kv.k))
+        step_size = np.abs(want_k).max(-1, keepdims=True) / 127
+        assert (np.abs(got_k - want_k) <= step_size * 1.001 + 1e-6).all()
+        assert np.isclose(got_k, want_k, rtol=0, atol=1e-6).mean() > 0.99
+        np.testing.assert_allclose(logits, want, rtol=0, atol=2e-3 * np.abs(want).max())

@@ -48,14 +48,16 @@ def _step(args: argparse.Namespace) -> int:
     return step_main(args.model, decode_batches=_ints(args.rows), width=args.width,
                      context=args.context, prefill_chunks=_ints(args.chunks),
                      repeats=args.repeats, breakdown=args.breakdown, backend=args.backend,
-                     json_out=args.json, quantization=args.quantization)
+                     json_out=args.json, quantization=args.quantization,
+                     kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _quality(args: argparse.Namespace) -> int:
     from xlaserve.bench.quality import quality_main
 
-    return quality_main(args.model, args.quantization, args.window, args.max_tokens,
-                        args.backend, args.json)
+    quantization = None if args.quantization == "none" else args.quantization
+    return quality_main(args.model, quantization, args.window, args.max_tokens,
+                        args.backend, args.json, args.kv_cache_dtype)
 
 
 def _layouts(args: argparse.Namespace) -> int:
@@ -152,6 +154,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--backend", default="auto", help="attention backend (see kernels/)")
     st.add_argument("--quantization", choices=["int8"], default=None,
                     help="serve the weights int8 (a float folder is quantized as it loads)")
+    st.add_argument("--kv-cache-dtype", choices=["int8"], default=None,
+                    help="an int8 KV cache (rows with their scales) instead of the model's")
     st.add_argument("--breakdown", action="store_true",
                     help="also time each part of every step alone (weights, attention, head, "
                          "sampler, host)")
@@ -162,7 +166,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "perplexity, top-1 agreement, logit error, greedy chat agreement")
     q.add_argument("--model", required=True, help="float model folder written by `xlaserve "
                    "convert` (quantized as it loads)")
-    q.add_argument("--quantization", default="int8", choices=["int8"])
+    q.add_argument("--quantization", default="int8", choices=["int8", "none"],
+                   help="weights (none: float32 weights, to measure the KV cache alone)")
+    q.add_argument("--kv-cache-dtype", choices=["int8"], default=None,
+                   help="also run the quantized side on an int8 KV cache")
     q.add_argument("--window", type=int, default=256, help="tokens per teacher-forced window")
     q.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per chat answer")
     q.add_argument("--backend", default="auto", help="attention backend (see kernels/)")

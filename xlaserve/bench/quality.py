@@ -52,7 +52,7 @@ CHAT_PROMPTS = (
 @dataclass(frozen=True)
 class QualityReport:
     model: str
-    quantization: str
+    quantization: str            # what is compared with float32, e.g. "int8 weights + int8 KV"
     tokens: int                  # teacher-forced next tokens scored
     ppl_float: float
     ppl_quantized: float
@@ -88,8 +88,10 @@ def _runnable(model: LoadedModel, backend: str) -> Params:
 
 
 def teacher_forced(models: tuple[LoadedModel, LoadedModel], ids: list[int], window: int,
-                   backend: str = "auto", block_size: int = 16) -> dict[str, float]:
-    """Both models over `ids`, window by window: NLL sums, argmax agreement, logit errors."""
+                   backend: str = "auto", block_size: int = 16,
+                   kv_dtypes: tuple[str | None, str | None] = (None, None)) -> dict[str, float]:
+    """Both models over `ids`, window by window: NLL sums, argmax agreement, logit errors;
+    each model's KV cache in its `kv_dtypes` entry (None: the model's dtype)."""
     width = -(-window // block_size)
     params = [_runnable(m, backend) for m in models]
     table = np.arange(1, width + 1, dtype=np.int32)
@@ -103,8 +105,8 @@ def teacher_forced(models: tuple[LoadedModel, LoadedModel], ids: list[int], wind
         tokens[:n] = inputs
         positions, meta = one_row_metadata(table, 0, n, window, block_size)
         logits = []
-        for m, p in zip(models, params):
-            kv = init_kv_cache(m.config, width + 1, block_size)
+        for m, p, kv_dtype in zip(models, params, kv_dtypes):
+            kv = init_kv_cache(m.config, width + 1, block_size, kv_dtype)
             out, _ = _window_logits(p, m.config, jnp.asarray(tokens), jnp.asarray(positions),
                                     kv, meta, backend)
             logits.append(np.asarray(out[:n], np.float64))              # [n, V]
@@ -122,14 +124,16 @@ def teacher_forced(models: tuple[LoadedModel, LoadedModel], ids: list[int], wind
 
 
 def greedy_agreement(models: tuple[LoadedModel, LoadedModel], max_tokens: int,
-                     backend: str = "auto") -> tuple[int, float]:
+                     backend: str = "auto",
+                     kv_dtypes: tuple[str | None, str | None] = (None, None)
+                     ) -> tuple[int, float]:
     """(prompts answered identically, mean tokens before the first difference)."""
     from xlaserve.serving.generate import SamplingOptions, SequenceGenerator
 
     answers: list[list[list[int]]] = []
-    for m in models:
+    for m, kv_dtype in zip(models, kv_dtypes):
         gen = SequenceGenerator(_runnable(m, backend), m.config, max_len=512,
-                                attention_backend=backend)
+                                attention_backend=backend, kv_dtype=kv_dtype)
         outs = []
         for text in CHAT_PROMPTS:
             prompt = m.tokenizer.encode_chat([{"role": "user", "content": text}])
@@ -144,15 +148,21 @@ def greedy_agreement(models: tuple[LoadedModel, LoadedModel], max_tokens: int,
     return identical, float(np.mean(prefixes))
 
 
-def quality_report(folder: str | Path, quantization: str = "int8", window: int = 256,
-                   max_tokens: int = 48, backend: str = "auto") -> QualityReport:
+def quality_report(folder: str | Path, quantization: str | None = "int8", window: int = 256,
+                   max_tokens: int = 48, backend: str = "auto",
+                   kv_cache_dtype: str | None = None) -> QualityReport:
+    """`folder`'s model with int8 weights (`quantization`) and / or an int8 KV cache
+    (`kv_cache_dtype`) against itself in float32."""
     base = load_model(folder, dtype="float32")
     quant = load_model(folder, dtype="float32", quantization=quantization)
     ids = base.tokenizer.encode(CORPUS.read_text())
-    tf = teacher_forced((base, quant), ids, window, backend)
-    identical, prefix = greedy_agreement((base, quant), max_tokens, backend)
+    tf = teacher_forced((base, quant), ids, window, backend, kv_dtypes=(None, kv_cache_dtype))
+    identical, prefix = greedy_agreement((base, quant), max_tokens, backend,
+                                         kv_dtypes=(None, kv_cache_dtype))
+    what = " + ".join([f"{quantization} weights"] * bool(quantization)
+                      + [f"{kv_cache_dtype} KV"] * bool(kv_cache_dtype)) or "float32"
     return QualityReport(
-        model=str(folder), quantization=quantization, tokens=int(tf["tokens"]),
+        model=str(folder), quantization=what, tokens=int(tf["tokens"]),
         ppl_float=tf["ppl_float"], ppl_quantized=tf["ppl_quantized"],
         ppl_change=tf["ppl_quantized"] / tf["ppl_float"] - 1,
         top1_agreement=tf["top1_agreement"], max_logit_error=tf["max_logit_error"],
@@ -163,7 +173,7 @@ def quality_report(folder: str | Path, quantization: str = "int8", window: int =
 def format_report(r: QualityReport) -> str:
     return "\n".join([
         f"{r.model}: {r.quantization} against float32, {r.tokens} teacher-forced tokens",
-        f"  perplexity        float32 {r.ppl_float:.3f}   {r.quantization} "
+        f"  perplexity        float32 {r.ppl_float:.3f}   quantized "
         f"{r.ppl_quantized:.3f}   ({100 * r.ppl_change:+.2f}%)",
         f"  top-1 agreement   {100 * r.top1_agreement:.2f}%",
         f"  logit error       max {r.max_logit_error:.4f}   mean {r.mean_logit_error:.4f}",
@@ -173,9 +183,9 @@ def format_report(r: QualityReport) -> str:
     ])
 
 
-def quality_main(folder: str, quantization: str, window: int, max_tokens: int, backend: str,
-                 json_out: str | None) -> int:
-    report = quality_report(folder, quantization, window, max_tokens, backend)
+def quality_main(folder: str, quantization: str | None, window: int, max_tokens: int,
+                 backend: str, json_out: str | None, kv_cache_dtype: str | None = None) -> int:
+    report = quality_report(folder, quantization, window, max_tokens, backend, kv_cache_dtype)
     print(format_report(report))
     if json_out:
         Path(json_out).write_text(json.dumps(asdict(report), indent=2) + "\n")

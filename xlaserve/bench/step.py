@@ -111,13 +111,16 @@ def matmul_weights(config: ModelConfig) -> int:
 
 
 def step_cost(config: ModelConfig, params: Any, rows: int, tokens: int,
-              keys_per_query: float, kv_read_tokens: int) -> tuple[int, float]:
+              keys_per_query: float, kv_read_tokens: int,
+              kv_row_bytes: int | None = None) -> tuple[int, float]:
     """(bytes read, FLOPs) of a step: `tokens` query tokens over `rows` rows (each row's
     logits once), each query seeing `keys_per_query` keys on average; `kv_read_tokens`
-    distinct cached tokens are read per layer."""
+    distinct cached tokens are read per layer.  `kv_row_bytes`: one token's K (or V) of one
+    kv head in the cache (default float32: 4 x head_dim; an int8 cache's: head_dim + 4)."""
     c = config
     item = np.dtype(c.dtype).itemsize
-    kv_token = 2 * c.num_kv_heads * c.head_dim * 4 * c.num_layers  # K and V, float32 cache
+    row = 4 * c.head_dim if kv_row_bytes is None else kv_row_bytes
+    kv_token = 2 * c.num_kv_heads * c.num_layers * row   # K and V, every layer
     bytes_read = decode_read_bytes(params) + kv_read_tokens * kv_token + tokens * kv_token
     if "lm_head" in params:   # untied: the input embedding is read one row per token
         bytes_read += (tokens - 1) * c.hidden_size * item
@@ -211,7 +214,8 @@ def measure_step(runner: ModelRunner, kind: str, rows: list[RowInput], context: 
         keys, distinct = context + 1, len(rows) * context
     else:
         keys, distinct = context + (tokens + 1) / 2, context
-    bytes_read, flops = step_cost(c, runner.params, len(rows), tokens, keys, distinct)
+    kv_row = runner.kv.k.shape[-1] * runner.kv.k.dtype.itemsize
+    bytes_read, flops = step_cost(c, runner.params, len(rows), tokens, keys, distinct, kv_row)
     mem_ms, flop_ms = 1e3 * bytes_read / (read * 1e9), 1e3 * flops / (gemm * 1e9)
     host = runner.host_step(rows)
     row = StepRow(kind, len(rows), tokens, context, host.shape, time_rows(runner, rows, repeats),
@@ -296,7 +300,8 @@ def format_report(rep: StepReport) -> str:
 
 def step_main(model_dir: str, *, decode_batches: list[int], width: int, context: int,
               prefill_chunks: list[int], repeats: int, breakdown: bool, backend: str,
-              json_out: str | None, quantization: str | None = None) -> int:
+              json_out: str | None, quantization: str | None = None,
+              kv_cache_dtype: str | None = None) -> int:
     from xlaserve.serving.engine.config import EngineConfig
     from xlaserve.serving.loading import load_model
 
@@ -312,7 +317,7 @@ def step_main(model_dir: str, *, decode_batches: list[int], width: int, context:
                          num_blocks=config.scheduler.num_kv_blocks,
                          block_size=config.scheduler.block_size,
                          max_num_seqs=config.scheduler.max_num_seqs, buckets=config.bucket_plan,
-                         attention_backend=config.attention_backend)
+                         attention_backend=config.attention_backend, kv_dtype=kv_cache_dtype)
     report = run_steps(runner, decode_batches=decode_batches, width=width, context=context,
                        prefill_chunks=prefill_chunks, repeats=repeats, breakdown=breakdown)
     print(format_report(report), flush=True)

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from xlaserve.kernels.kv_quant import dequantize_rows, is_int8
+
 # Finite, so that exp(MASK - MASK) on a never-visited row is 1 rather than NaN; the rows it
 # touches have l == 0 and are written as zeros.
 MASK_VALUE = -1e30
@@ -37,13 +39,15 @@ def load_kv_pages(
 
     Table entries past the row's length may be stale or padding, so they are replaced by block 0
     and every id is clamped into [0, N): a load never leaves the cache."""
-    num_blocks, bs, d = cache_ref.shape[1], cache_ref.shape[2], cache_ref.shape[4]
+    num_blocks, bs = cache_ref.shape[1], cache_ref.shape[2]
     page_idx = first_page + jnp.arange(pages, dtype=jnp.int32)                 # [pages]
     ids = block_table_ref[pl.ds(first_page, pages)]                           # [pages]
     ids = jnp.where(page_idx < num_pages, ids, 0)
     ids = jnp.minimum(jnp.maximum(ids, 0), num_blocks - 1)
-    block = cache_ref[layer, ids, :, kv_head, :]                              # [pages, bs, D]
-    return block.reshape(pages * bs, d)
+    block = cache_ref[layer, ids, :, kv_head, :]                              # [pages, bs, D']
+    if is_int8(block.dtype):      # int8 rows [.., D + 4] (kernels/kv_quant.py) -> float32
+        block = dequantize_rows(block)
+    return block.reshape(pages * bs, block.shape[-1])
 
 
 def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from xlaserve.kernels import flash
+from xlaserve.kernels.kv_quant import from_cache_rows
 from xlaserve.kernels.validation import (check_block_tables, check_cache, check_int_vector,
                                          check_lengths, check_q_heads, check_sliding_window,
                                          check_soft_cap, check_triton_shapes, next_pow2,
@@ -67,8 +68,8 @@ def prefill_attention_reference(
     b, t, h, d = q.shape
     kvh = k_cache.shape[3]
     g = h // kvh
-    k = gather_kv(k_cache, layer, block_tables).astype(jnp.float32)  # [B, S, KVH, D]
-    v = gather_kv(v_cache, layer, block_tables).astype(jnp.float32)
+    k = from_cache_rows(gather_kv(k_cache, layer, block_tables))     # [B, S, KVH, D]
+    v = from_cache_rows(gather_kv(v_cache, layer, block_tables))
     qg = q.astype(jnp.float32).reshape(b, t, kvh, g, d)
     # B batch, T query, K kv head, G group, D head dim, S key position.
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * scale            # [B, KVH, G, T, S]

@@ -25,7 +25,8 @@ import numpy as np
 
 from xlaserve.kernels.cpu import build
 from xlaserve.kernels.flash import MASK_VALUE
-from xlaserve.kernels.validation import (FLOAT_DTYPES, check_sliding_window, check_soft_cap,
+from xlaserve.kernels.kv_quant import from_cache_rows, head_dim_of
+from xlaserve.kernels.validation import (CACHE_DTYPES, check_sliding_window, check_soft_cap,
                                          is_concrete)
 
 REFERENCE_CHUNK = 16   # tokens per gather in the reference: 16 x W*bs x KVH x D floats at once
@@ -44,8 +45,8 @@ def _reference_chunk(q: jax.Array, k_flat: jax.Array, v_flat: jax.Array, base: j
     blocks = jnp.clip(block_tables[rows], 0, None)                       # [C, W]
     slots = ((base + blocks) * block_size)[:, :, None] + jnp.arange(block_size)
     slots = slots.reshape(c, w * block_size)                             # [C, S]
-    k = k_flat[slots].astype(jnp.float32)                                # [C, S, KVH, D]
-    v = v_flat[slots].astype(jnp.float32)
+    k = from_cache_rows(k_flat[slots])                                   # [C, S, KVH, D]
+    v = from_cache_rows(v_flat[slots])
     qg = q.astype(jnp.float32).reshape(c, kvh, g, d)
     # C token, K kv head, G group, D head dim, S key position.
     scores = jnp.einsum("ckgd,cskd->ckgs", qg, k) * scale                # [C, KVH, G, S]
@@ -106,11 +107,12 @@ def check_ragged_inputs(q: jax.Array, k_flat: jax.Array, v_flat: jax.Array, laye
     if k_flat.ndim != 3 or k_flat.shape != v_flat.shape:
         raise ValueError(f"k_flat and v_flat must be one [L*N*bs, KVH, D] shape, got "
                          f"{k_flat.shape} and {v_flat.shape}")
-    if k_flat.dtype != v_flat.dtype or k_flat.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"cache dtypes must match and be float, got {k_flat.dtype} and "
-                        f"{v_flat.dtype}")
+    if k_flat.dtype != v_flat.dtype or k_flat.dtype not in CACHE_DTYPES:
+        raise TypeError(f"cache dtypes must match and be float or int8, got {k_flat.dtype} "
+                        f"and {v_flat.dtype}")
     t, h, d = q.shape
-    rows_total, kvh, dk = k_flat.shape
+    rows_total, kvh = k_flat.shape[:2]
+    dk = head_dim_of(k_flat)
     if dk != d or h % kvh:
         raise ValueError(f"q [T, H={h}, D={d}] does not fit a cache of {kvh} kv heads x "
                          f"head_dim {dk}: H must be a multiple of KVH and D equal")
@@ -162,12 +164,13 @@ def ragged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
 ) -> jax.Array:               # [T, H, D] float32
-    """The native CPU kernel (float32 on CPU); raises ValueError where it cannot run."""
+    """The native CPU kernel (float32 on CPU, over a float32 or int8 cache); raises
+    ValueError where it cannot run."""
     check_ragged_inputs(q, k_flat, v_flat, layer, token_rows, positions, block_tables,
                         num_blocks, block_size)
     soft_cap = check_soft_cap(soft_cap)
     sliding_window = check_sliding_window(sliding_window)
-    if not kernel_available(q.dtype) or k_flat.dtype != jnp.float32:
+    if not kernel_available(q.dtype) or k_flat.dtype not in (jnp.float32, jnp.int8):
         reason = build.load_error() or f"it runs float32 on CPU (got {q.dtype} on " \
                                         f"{jax.default_backend()})"
         raise ValueError(f"the CPU attention kernel is not available: {reason}")

@@ -13,7 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.kernels.kv_quant import head_dim_of, is_int8
+
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# A cache is float, or int8 rows with their scales inside (kernels/kv_quant.py).
+CACHE_DTYPES = (*FLOAT_DTYPES, jnp.dtype(jnp.int8))
 
 
 def is_concrete(x: Any) -> bool:
@@ -27,8 +31,8 @@ def check_cache(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array) -> Non
         raise ValueError(f"k_cache and v_cache shapes differ: {k_cache.shape} vs {v_cache.shape}")
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"k_cache and v_cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
-    if k_cache.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"cache dtype must be one of {[str(d) for d in FLOAT_DTYPES]}, "
+    if k_cache.dtype not in CACHE_DTYPES:
+        raise TypeError(f"cache dtype must be one of {[str(d) for d in CACHE_DTYPES]}, "
                         f"got {k_cache.dtype}")
     if jnp.shape(layer) not in ((), (1,)):
         raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
@@ -45,12 +49,12 @@ def check_q_heads(q: jax.Array, k_cache: jax.Array) -> None:
     """q: [..., H, D] against k_cache [L, N, bs, KVH, D]: same head_dim and dtype, and whole
     query-head groups per KV head."""
     h, d = q.shape[-2:]
-    kvh, dk = k_cache.shape[-2:]
+    kvh, dk = k_cache.shape[-2], head_dim_of(k_cache)
     if dk != d:
         raise ValueError(f"head_dim of q ({d}) != head_dim of the cache ({dk})")
     if h % kvh:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and not is_int8(k_cache.dtype):
         raise TypeError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
 
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.kernels.attention import attention
+from xlaserve.kernels.kv_quant import row_width, to_cache_rows
 from xlaserve.kernels.matmul import (
     PackedWeight,
     gated_matmul,
@@ -45,8 +46,8 @@ Params = dict[str, Any]
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, N, bs, K, D]
-    v: jax.Array  # [L, N, bs, K, D]
+    k: jax.Array  # [L, N, bs, K, D] float, or [L, N, bs, K, D + 4] int8 (kernels/kv_quant.py)
+    v: jax.Array  # the same
 
     @property
     def num_blocks(self) -> int:
@@ -238,7 +239,7 @@ def decoder_layers(
     outside the cache are dropped (pipeline bubbles rely on it)."""
     c = config
     t = x.shape[0]
-    kvh, d = k_flat.shape[1:]
+    kvh, d = k_flat.shape[1], c.head_dim   # an int8 cache's rows are d + 4 bytes wide
     layers = jax.tree_util.tree_map(jnp.asarray, layers)   # host arrays, outside jit
     use_kernel = attention_backend_uses_kernels(attention_backend)
     inv_freq = jnp.asarray(inverse_frequencies(c))
@@ -256,8 +257,9 @@ def decoder_layers(
         q = apply_rope(q.reshape(t, heads, d), positions, inv_freq)       # [T, H, D]
         k = apply_rope(k.reshape(t, kvh, d), positions, inv_freq)         # [T, K, D]
         dest = i * per_layer + meta.slot_mapping                          # [T]
-        k_flat = k_flat.at[dest].set(k.astype(k_flat.dtype), mode="drop")
-        v_flat = v_flat.at[dest].set(v.reshape(t, kvh, d).astype(v_flat.dtype), mode="drop")
+        k_flat = k_flat.at[dest].set(to_cache_rows(k, k_flat.dtype), mode="drop")
+        v_flat = v_flat.at[dest].set(to_cache_rows(v.reshape(t, kvh, d), v_flat.dtype),
+                                     mode="drop")
         attn = attend(q, k_flat, v_flat, i, meta.token_rows, positions, meta.block_tables,
                       num_blocks=geometry.num_blocks, block_size=geometry.block_size,
                       scale=d ** -0.5, sliding_window=c.sliding_window,
@@ -338,8 +340,15 @@ def output_logits(params: Params, config: ModelConfig, x: jax.Array, *,
     return jnp.einsum("me,ev->mv", x, head, preferred_element_type=jnp.float32)
 
 
+def kv_shape(config: ModelConfig, num_blocks: int, block_size: int,
+             dtype: str | None = None) -> tuple[int, ...]:
+    """[L, N, bs, K, D], or D + 4 for an int8 cache (kernels/kv_quant.py)."""
+    return (config.num_layers, num_blocks, block_size, config.num_kv_heads,
+            row_width(config.head_dim, dtype or config.dtype))
+
+
 def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,
                   dtype: str | None = None) -> KVCache:
-    shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = kv_shape(config, num_blocks, block_size, dtype)
     dt = jnp.dtype(dtype or config.dtype)
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))

@@ -44,7 +44,8 @@ class SequenceGenerator:
     """Generates for one sequence at a time over a private paged cache."""
 
     def __init__(self, params: Params, config: ModelConfig, *, max_len: int = 2048,
-                 block_size: int = 16, attention_backend: str = "auto"):
+                 block_size: int = 16, attention_backend: str = "auto",
+                 kv_dtype: str | None = None):
         self.params = params
         self.config = config
         self.block_size = block_size
@@ -52,7 +53,7 @@ class SequenceGenerator:
         self.max_len = self.width * block_size
         self.backend = attention_backend
         # block 0 is the null block; the sequence owns blocks 1..width.
-        self.kv = init_kv_cache(config, self.width + 1, block_size)
+        self.kv = init_kv_cache(config, self.width + 1, block_size, kv_dtype)
         self.block_table = np.arange(1, self.width + 1, dtype=np.int32)
 
     def _run(self, tokens: list[int], start: int, pad_to: int) -> np.ndarray:

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import KV_AXES, KVCache, Params, param_axes, param_shapes
+from xlaserve.models.llama import KV_AXES, KVCache, Params, kv_shape, param_axes, param_shapes
 from xlaserve.models.quantize import leaf_dtype
 from xlaserve.sharding.mesh import MESH_AXES, MeshConfig
 from xlaserve.sharding.rules import model_rules, partition_spec
@@ -144,7 +144,7 @@ class ShardLayout:
         """A zero KV cache [L, N, bs, K, D] created in place on every device of `mesh` (no
         host copy), by a program compiled once per shape (a runner resets its cache with it)."""
         c = self.model
-        shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        shape = kv_shape(c, num_blocks, block_size, dtype)
         zeros = _zeros(shape, jnp.dtype(dtype or c.dtype).name, self.kv_sharding(mesh))
         return KVCache(zeros(), zeros())
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import param_shapes
+from xlaserve.models.llama import kv_shape, param_shapes
 from xlaserve.models.quantize import leaf_dtype
 from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.mesh import MeshConfig
@@ -67,9 +67,9 @@ def device_bytes(layout: ShardLayout, num_blocks: int, block_size: int,
                  for s, p, item in zip(shapes, specs, items))
     params_total = sum(math.prod(s) * item for s, item in zip(shapes, items))
     kv_item = jnp.dtype(kv_dtype or c.dtype).itemsize
-    kv_shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-    kv = 2 * math.prod(shard_shape(kv_shape, layout.kv_spec(), sizes)) * kv_item
-    kv_total = 2 * math.prod(kv_shape) * kv_item
+    shape = kv_shape(c, num_blocks, block_size, kv_dtype)
+    kv = 2 * math.prod(shard_shape(shape, layout.kv_spec(), sizes)) * kv_item
+    kv_total = 2 * math.prod(shape) * kv_item
     return DeviceBytes(params, kv, params_total, kv_total)
 
 

@@ -1,9 +1,10 @@
-"""An engine serving int8 weights: nothing compiles after warm-up, and staggered requests get
-the tokens the same int8 model gives each one run alone."""
+"""An engine serving int8 weights (and an int8 KV cache): nothing compiles after warm-up, and
+staggered requests get the tokens the same int8 model gives each one run alone."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.serving.engine.conftest import TINY_ENGINE_CONFIG, collect, request, tokens_of
 from xlaserve.models.config import ModelConfig
@@ -19,9 +20,13 @@ INT8 = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_
                    quantization="int8")
 
 
-def test_int8_engine_compiles_nothing_after_warmup_and_matches_alone(model_dir) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_int8_engine_compiles_nothing_after_warmup_and_matches_alone(model_dir,
+                                                                     kv_cache_dtype) -> None:
+    config = TINY_ENGINE_CONFIG.with_args(kv_cache_dtype=kv_cache_dtype)
     engine = LLMEngine(init_params(INT8, 3, scale=0.5), INT8, Tokenizer.load(model_dir),
-                       make_mesh(), TINY_ENGINE_CONFIG)
+                       make_mesh(), config)
+    assert (engine.runner.kv.k.dtype == np.int8) == (kv_cache_dtype == "int8")
     engine.runner.warmup()
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, 49152, n)) for n in (5, 21, 40, 9, 33, 2)]
@@ -34,7 +39,7 @@ def test_int8_engine_compiles_nothing_after_warmup_and_matches_alone(model_dir) 
         out = collect(engine)
     assert compiles.count == 0, f"{compiles.count} compilations after warm-up"
     alone = SequenceGenerator(engine.runner.params, INT8, max_len=64,
-                              attention_backend=engine.runner.backend)
+                              attention_backend=engine.runner.backend, kv_dtype=config.kv_dtype)
     for i, ids in enumerate(prompts):
         want = list(alone.generate(ids, SamplingOptions(max_tokens=12), stop_ids=()))
         assert tokens_of(out[f"r{i}"]) == want, i

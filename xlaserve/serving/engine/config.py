@@ -19,6 +19,7 @@ from xlaserve.serving.scheduler.config import SchedulerConfig
 from xlaserve.sharding.mesh import MeshConfig
 
 _SCHEDULER_KEYS = frozenset(f.name for f in fields(SchedulerConfig))
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8")   # kernels/kv_quant.py's, without jax
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class EngineConfig:
     min_table_width: int = 4
     pipelined: bool = True               # schedule step n+1 while step n runs on device
     attention_backend: str = "auto"      # see kernels/attention.py: cpu kernels on CPU
+    # The KV cache's dtype: "auto" = the model's; "int8" stores each token's K and V rows as
+    # int8 with their scales (kernels/kv_quant.py: ~3.8x the tokens in the same bytes).
+    kv_cache_dtype: str = "auto"
     seed: int = 0                        # seeds requests that bring none
     # Devices: each of `mesh.replicas` engines runs on its own `pipeline x tensor` mesh
     # (serving/engine/replicas.py builds the meshes, parameters and engines).
@@ -40,6 +44,9 @@ class EngineConfig:
         if s.max_model_len % s.block_size:
             raise ValueError(f"max_model_len={s.max_model_len} must be a multiple of "
                              f"block_size={s.block_size}")
+        if self.kv_cache_dtype not in ("auto", *KV_DTYPES):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose from "
+                             f"{['auto', *KV_DTYPES]}")
         if not isinstance(self.mesh, MeshConfig):
             raise TypeError(f"mesh must be a sharding.mesh.MeshConfig, got {self.mesh!r}")
         self.bucket_plan  # validates the buckets' share
@@ -65,6 +72,11 @@ class EngineConfig:
         sched = {k: v for k, v in merged.items() if k in _SCHEDULER_KEYS}
         rest = {k: v for k, v in merged.items() if k not in _SCHEDULER_KEYS}
         return replace(self, scheduler=replace(self.scheduler, **sched), **rest)
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """The runner's KV dtype: None for the model's own."""
+        return None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def bucket_plan(self) -> BucketPlan:

@@ -109,7 +109,8 @@ class LLMEngine:
             runner = ModelRunner(params, config, mesh, num_blocks=s.num_kv_blocks,
                                  block_size=s.block_size, max_num_seqs=s.max_num_seqs,
                                  buckets=engine_config.bucket_plan,
-                                 attention_backend=engine_config.attention_backend)
+                                 attention_backend=engine_config.attention_backend,
+                                 kv_dtype=engine_config.kv_dtype)
         elif (runner.num_blocks < s.num_kv_blocks or runner.max_num_seqs < s.max_num_seqs
               or runner.block_size != s.block_size):
             raise ValueError(f"runner (blocks={runner.num_blocks}, seqs={runner.max_num_seqs}, "

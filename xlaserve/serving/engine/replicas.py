@@ -80,7 +80,8 @@ def make_runner(model: LoadedModel, engine_config: EngineConfig) -> ModelRunner:
                        block_size=engine_config.scheduler.block_size,
                        max_num_seqs=engine_config.scheduler.max_num_seqs,
                        buckets=engine_config.bucket_plan,
-                       attention_backend=engine_config.attention_backend)
+                       attention_backend=engine_config.attention_backend,
+                       kv_dtype=engine_config.kv_dtype)
 
 
 def build_engines(folder: str | Path, engine_config: EngineConfig, *, dtype: str | None = None,

@@ -3,7 +3,9 @@
 //
 //   q             [T, H, D]        f32   query of every token in the step (RoPE applied)
 //   k_cache       [L*N*bs, KVH, D] f32   the whole stacked cache, flat (the buffer the layer
-//   v_cache       [L*N*bs, KVH, D] f32   loop carries: a 5-D reshape would be copied per layer)
+//   v_cache       [L*N*bs, KVH, D] f32   loop carries: a 5-D reshape would be copied per layer),
+//                 or [L*N*bs, KVH, D + 4] s8: int8 rows, each followed by its float scale
+//                 (kernels/kv_quant.py), dequantized span by span as they are read
 //   layer         []               i32
 //   token_rows    [T]              i32   the row (sequence) of each token; -1 = padding
 //   positions     [T]              i32   the token's position in its sequence
@@ -35,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -211,6 +214,21 @@ void accumulate(RowState* const* rows, const float* c, int nr, const float* p, c
   }
 }
 
+// dst[r * D + d] = q_r[d] * s_r for `rows` int8 rows of D values, each followed by the 4 bytes
+// of its float scale s_r (kernels/kv_quant.py): one kv block, for the float code below.
+void dequantize_rows(const int8_t* src, int64_t rows, int64_t D, float* dst) {
+  const int64_t row_bytes = D + 4;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* row = src + r * row_bytes;
+    float scale;
+    std::memcpy(&scale, row + D, sizeof scale);
+    const Vec sv = splat(scale);
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) store(dst + r * D + d, mul(load_widened(row + d), sv));
+    for (; d < D; ++d) dst[r * D + d] = static_cast<float>(row[d]) * scale;
+  }
+}
+
 // Reads `floats` floats at k and at v, so that they are in cache when the compute loops come
 // (a tight run of loads streams from memory ~1.8x faster than the loads the compute issues);
 // returns a sum nobody uses but the compiler cannot drop.
@@ -227,22 +245,34 @@ float warm(const float* k, const float* v, int64_t floats) {
 // query head h, already initialised (and left unnormalised).  Blocks go span_blocks at a time
 // (a span of about kSpanKeys keys): one softmax step per query row and span, not per block
 // (with 16-key blocks the per-step max, sum and rescale cost more than the scores).
+// The cache: float rows, or int8 rows with their scales (then k8 / v8 are set and k / v not).
+struct Cache {
+  const float* k;
+  const float* v;
+  const int8_t* k8;
+  const int8_t* v8;
+};
+
 template <int DV>
 void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, const float* q,
-                   const float* k_cache, const float* v_cache, const int32_t* positions,
-                   const int32_t* block_tables, RowState* states) {
+                   const Cache& cache, const int32_t* positions, const int32_t* block_tables,
+                   RowState* states) {
   const int64_t D = g.D, bs = g.bs;
   const int64_t stride = g.KVH * D;  // floats between consecutive slots of one kv head
   const int64_t max_pos = g.W * bs - 1;
   const int64_t block_floats = bs * stride;
   const int64_t span_blocks = std::max<int64_t>(1, kSpanKeys / bs);   // span: <= kMaxBlockSize
   const int64_t span = span_blocks * bs;
+  const bool int8 = cache.k8 != nullptr;
   thread_local std::vector<float> scratch;
-  scratch.resize(tile.nq * g.H * D + D * span + 2 * kRowGroup * kMaxBlockSize);
+  scratch.resize(tile.nq * g.H * D + D * span + 2 * kRowGroup * kMaxBlockSize +
+                 (int8 ? 2 * span_blocks * block_floats : 0));
   float* qs = scratch.data();                 // [nq, H, D] scaled queries
   float* kt = qs + tile.nq * g.H * D;         // [D, span] one kv head's keys, transposed
   float* s = kt + D * span;                   // [kRowGroup, kMaxBlockSize] scores
   float* p = s + kRowGroup * kMaxBlockSize;   // [kRowGroup, kMaxBlockSize] their exps
+  float* kf = p + kRowGroup * kMaxBlockSize;  // int8 caches: [span_blocks, bs, KVH, D] the
+  float* vf = kf + span_blocks * block_floats;   // span's keys and values, dequantized
   int64_t qpos[kQueryTile], qlo[kQueryTile];
   for (int64_t i = 0; i < tile.nq; ++i) {
     qpos[i] = std::clamp<int64_t>(positions[tile.t0 + i], 0, max_pos);
@@ -251,22 +281,33 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
     for (int64_t x = 0; x < g.H * D; ++x) qs[i * g.H * D + x] = src[x] * g.scale;
   }
   const int32_t* table = block_tables + static_cast<int64_t>(tile.row) * g.W;
-  auto block_base = [&](int64_t b) {
+  auto first_row = [&](int64_t b) {   // the block's first (slot, kv head) row in the cache
     const int64_t block = std::clamp<int64_t>(table[b], 0, g.N - 1);
-    return (g.layer * g.N + block) * block_floats;
+    return (g.layer * g.N + block) * bs * g.KVH;
   };
   float sink = 0.0f;
-  int64_t bases[kSpanKeys];   // the span's blocks (at most kSpanKeys, of one key each)
+  // The span's blocks (at most kSpanKeys, of one key each): [bs, KVH, D] floats each.
+  const float* kblk[kSpanKeys];
+  const float* vblk[kSpanKeys];
   for (int64_t b = b0; b < b1; b += span_blocks) {
     const int64_t nb = std::min(span_blocks, b1 - b), n = nb * bs;   // this span: n keys
     for (int64_t x = 0; x < nb; ++x) {   // read the span's blocks into cache before compute
-      bases[x] = block_base(b + x);
-      sink += warm(k_cache + bases[x], v_cache + bases[x], block_floats);
+      const int64_t row = first_row(b + x);
+      if (int8) {
+        dequantize_rows(cache.k8 + row * (D + 4), bs * g.KVH, D, kf + x * block_floats);
+        dequantize_rows(cache.v8 + row * (D + 4), bs * g.KVH, D, vf + x * block_floats);
+        kblk[x] = kf + x * block_floats;
+        vblk[x] = vf + x * block_floats;
+      } else {
+        kblk[x] = cache.k + row * D;
+        vblk[x] = cache.v + row * D;
+        sink += warm(kblk[x], vblk[x], block_floats);
+      }
     }
     const int64_t first = b * bs;
     for (int64_t kvh = 0; kvh < g.KVH; ++kvh) {
       for (int64_t x = 0; x < nb; ++x)
-        transpose_keys(k_cache + bases[x] + kvh * D, stride, bs, D, kt + x * bs, n);
+        transpose_keys(kblk[x] + kvh * D, stride, bs, D, kt + x * bs, n);
       for (int64_t i = 0; i < tile.nq; ++i) {
         const int64_t j0 = std::max<int64_t>(0, qlo[i] - first);   // keys [j0, j1) visible
         const int64_t j1 = std::min<int64_t>(n, qpos[i] - first + 1);
@@ -287,8 +328,8 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
           // V block by block: the span's keys [j0, j1) lie in blocks j0 / bs .. (j1 - 1) / bs.
           for (int64_t x = j0 / bs; x * bs < j1; ++x) {
             const int64_t lo = std::max(j0, x * bs), hi = std::min(j1, (x + 1) * bs);
-            accumulate<DV>(rows, c, nr, p + lo, v_cache + bases[x] + kvh * D + (lo - x * bs) *
-                           stride, stride, hi - lo, D);
+            accumulate<DV>(rows, c, nr, p + lo, vblk[x] + kvh * D + (lo - x * bs) * stride,
+                           stride, hi - lo, D);
             for (int r = 0; r < nr; ++r) c[r] = 1.0f;   // rescaled once, by the first block
           }
         }
@@ -300,8 +341,7 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
 }
 
 using AttendFn = void (*)(const Geometry&, const Tile&, int64_t, int64_t, const float*,
-                          const float*, const float*, const int32_t*, const int32_t*,
-                          RowState*);
+                          const Cache&, const int32_t*, const int32_t*, RowState*);
 
 AttendFn attend_for(int64_t D) {
   if (D == 4 * kLanes) return attend_blocks<4>;
@@ -312,7 +352,7 @@ AttendFn attend_for(int64_t D) {
 }
 
 ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
-                          ffi::Buffer<ffi::F32, 3> k_cache, ffi::Buffer<ffi::F32, 3> v_cache,
+                          ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                           ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 1> token_rows,
                           ffi::Buffer<ffi::S32, 1> positions,
                           ffi::Buffer<ffi::S32, 2> block_tables,
@@ -332,11 +372,18 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
   g.scale = scale;
   g.soft_cap = soft_cap;
   g.window = sliding_window;
-  if (g.KVH <= 0 || g.H % g.KVH || k_cache.dimensions()[2] != g.D ||
+  const bool int8 = k_cache.element_type() == ffi::DataType::S8;
+  if (k_cache.element_type() != v_cache.element_type() ||
+      (!int8 && k_cache.element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("xlaserve_paged_attention: caches must both be f32 or "
+                                       "both s8");
+  const int64_t row = int8 ? g.D + 4 : g.D;   // an int8 row carries its scale
+  if (k_cache.dimensions().size() != 3 || v_cache.dimensions().size() != 3 || g.KVH <= 0 ||
+      g.H % g.KVH || k_cache.dimensions()[2] != row ||
       v_cache.dimensions()[0] != k_cache.dimensions()[0] ||
-      v_cache.dimensions()[1] != g.KVH || v_cache.dimensions()[2] != g.D)
+      v_cache.dimensions()[1] != g.KVH || v_cache.dimensions()[2] != row)
     return ffi::Error::InvalidArgument("xlaserve_paged_attention: q [T, H, D] and caches "
-                                       "[L*N*bs, KVH, D] disagree");
+                                       "[L*N*bs, KVH, D] (D + 4 for s8) disagree");
   if (g.bs <= 0 || g.bs > kMaxBlockSize || g.N <= 0 || g.W <= 0 ||
       k_cache.dimensions()[0] % (g.N * g.bs))
     return ffi::Error::InvalidArgument("xlaserve_paged_attention: cache rows are not a "
@@ -396,8 +443,14 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
   state_buffer.resize(items.size() * kQueryTile * g.H * row_floats);
   float* const state = state_buffer.data();       // (workers must not name the thread_local)
   const float* qp = q.typed_data();
-  const float* kp = k_cache.typed_data();
-  const float* vp = v_cache.typed_data();
+  Cache cache{nullptr, nullptr, nullptr, nullptr};
+  if (int8) {
+    cache.k8 = static_cast<const int8_t*>(k_cache.untyped_data());
+    cache.v8 = static_cast<const int8_t*>(v_cache.untyped_data());
+  } else {
+    cache.k = static_cast<const float*>(k_cache.untyped_data());
+    cache.v = static_cast<const float*>(v_cache.untyped_data());
+  }
   const int32_t* bt = block_tables.typed_data();
   const AttendFn attend = attend_for(g.D);
   parallel_for(static_cast<int64_t>(items.size()), [&](int64_t it) {
@@ -415,7 +468,7 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
       st[r] = {-std::numeric_limits<float>::infinity(), 0.0f, base + r * row_floats + 2};
       std::fill(st[r].acc, st[r].acc + g.D, 0.0f);
     }
-    attend(g, tile, item.b0, item.b1, qp, kp, vp, pos, bt, st);
+    attend(g, tile, item.b0, item.b1, qp, cache, pos, bt, st);
     if (first_item[item.tile + 1] - first_item[item.tile] == 1) {   // the whole tile: out
       for (int64_t r = 0; r < tile.nq * g.H; ++r) {
         float* dst = o + (tile.t0 * g.H + r) * g.D;
@@ -463,8 +516,8 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttention, xlaserve::PagedAttention,
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_3>()  // q
-                                  .Arg<xlaserve::F32_3>()  // k_cache
-                                  .Arg<xlaserve::F32_3>()  // v_cache
+                                  .Arg<ffi::AnyBuffer>()   // k_cache (f32 or s8 rows)
+                                  .Arg<ffi::AnyBuffer>()   // v_cache
                                   .Arg<xlaserve::S32_0>()  // layer
                                   .Arg<xlaserve::S32_1>()  // token_rows
                                   .Arg<xlaserve::S32_1>()  // positions

@@ -1,0 +1,66 @@
+"""The int8 KV cache's rows: each token's key (or value) of one kv head as D int8 values and
+its float32 scale, side by side.
+
+    cache [L, N, bs, KVH, D + 4] int8      row = q[0:D] | the 4 bytes of scale (float32)
+    scale = max |x| over the row's D values / 127 (1 for an all-zero row), q = round(x / scale)
+
+Keeping the scale inside the row, not in a second array, leaves the cache one array per K and V
+with the float cache's axes (only head_dim grows by 4): the layer loop, donation, shardings and
+the pipeline carry it unchanged, and a kernel finds a row's scale where it reads the row.  For
+SmolLM2 (D = 64) a token's K and V take 68 bytes a head against 256 in float32: 3.8x the tokens
+in the same pool.  Every attention backend reads rows through `dequantize_rows` (jnp, Pallas)
+or its C++ twin (kernels/cpu/native/paged_attention.cc).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+SCALE_BYTES = 4
+QMAX = 127
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+def is_int8(dtype: Any) -> bool:
+    return jnp.dtype(dtype) == jnp.int8
+
+
+def row_width(head_dim: int, dtype: Any) -> int:
+    """The cache's last axis for `head_dim`: D, or D + 4 for an int8 cache."""
+    return head_dim + SCALE_BYTES if is_int8(dtype) else head_dim
+
+
+def head_dim_of(cache: jax.Array) -> int:
+    """D of a cache (or cache-shaped rows) whatever its dtype."""
+    return cache.shape[-1] - (SCALE_BYTES if is_int8(cache.dtype) else 0)
+
+
+def quantize_rows(x: jax.Array) -> jax.Array:
+    """x [..., D] float -> [..., D + 4] int8 rows (see the module docstring)."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)                 # [..., 1]
+    scale = jnp.where(amax > 0, amax / QMAX, 1.0)
+    q = jnp.clip(jnp.round(xf / scale), -QMAX, QMAX).astype(jnp.int8)   # [..., D]
+    scale_bytes = lax.bitcast_convert_type(scale[..., 0], jnp.int8)      # [..., 4]
+    return jnp.concatenate([q, scale_bytes], axis=-1)
+
+
+def dequantize_rows(rows: jax.Array) -> jax.Array:
+    """[..., D + 4] int8 rows -> [..., D] float32."""
+    d = rows.shape[-1] - SCALE_BYTES
+    scale = lax.bitcast_convert_type(rows[..., d:], jnp.float32)         # [...]
+    return rows[..., :d].astype(jnp.float32) * scale[..., None]
+
+
+def to_cache_rows(x: jax.Array, dtype: Any) -> jax.Array:
+    """New keys or values [..., D] as the cache of `dtype` stores them."""
+    return quantize_rows(x) if is_int8(dtype) else x.astype(dtype)
+
+
+def from_cache_rows(rows: jax.Array) -> jax.Array:
+    """Cache rows as float32 [..., D], whatever the cache's dtype."""
+    return dequantize_rows(rows) if is_int8(rows.dtype) else rows.astype(jnp.float32)
