@@ -1,5 +1,7 @@
 """The gRPC front end: `Generation` (Generate / Abort / ListModels / GetStats) over one or more
-engines, plus the standard grpc.health.v1 service (SERVING once every engine is ready).
+engines, plus the standard grpc.health.v1 service (SERVING once every engine is ready) and
+server reflection (grpc.reflection.v1alpha: `grpcurl -plaintext HOST:PORT list` lists the
+three; health and reflection need no token, see auth.py).
 
 Generate streams the engine's events; if the client cancels the call or its deadline passes,
 grpc cancels the handler and the `finally` aborts the engine request, freeing its blocks.  A
@@ -28,6 +30,7 @@ from collections.abc import AsyncIterator, Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
 
 from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
@@ -42,7 +45,9 @@ from xlaserve.serving.server_config import (
 )
 from xlaserve.serving.types import EngineEvent, GenerationRequest
 
-SERVICE = "xlaserve.v1.Generation"
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name   # "xlaserve.v1.Generation"
+SERVICES = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME)   # what reflection lists
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -159,6 +164,7 @@ async def start_grpc_server(engines: Mapping[str, AsyncEngine], address: str,
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engines), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(SERVICES, server)
     port = auth.add_port(server, address)
     if port == 0:
         raise ValueError(f"gRPC: could not bind {address!r}")
