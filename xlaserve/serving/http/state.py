@@ -32,7 +32,7 @@ from xlaserve.serving.gateway.auth import Authenticator, Principal
 from xlaserve.serving.gateway.ratelimit import RateLimiter, Reservation
 from xlaserve.serving.gateway.tracing import TraceContext
 from xlaserve.serving.http.protocol import ParsedRequest
-from xlaserve.serving.metrics import EngineSource, Metrics
+from xlaserve.serving.metrics import ChoiceTimes, EngineSource, Metrics
 from xlaserve.serving.router import ModelGroup, Replica, Router
 from xlaserve.serving.server_config import ServerConfig
 from xlaserve.serving.types import EngineEvent, GenerationRequest, SamplingParams, Usage
@@ -129,6 +129,7 @@ class Choice:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    submitted_at: float = 0.0   # time.monotonic() when sent to its (last) engine
     first_at: float = 0.0
     last_at: float = 0.0
 
@@ -181,6 +182,7 @@ class Generation:
             moves = len(self.group.replicas) - 1
             while True:
                 sent = False
+                c.submitted_at = time.monotonic()
                 events = c.replica.engine.submit(c.request)
                 try:
                     async for ev in events:
@@ -300,6 +302,8 @@ class Generation:
                 grp.remember(c.replica, [*c.request.prompt_token_ids, *c.token_ids],
                              a.principal.tenant)
             st.metrics.requests.labels(grp.id, c.finish_reason or "abort").inc()
+            st.metrics.observe_choice(grp.id, ChoiceTimes(c.submitted_at, c.first_at,
+                                                          c.last_at, len(c.token_ids)))
         grp.admission.release(a.ticket)
         st.update_admission_gauges()
         st.generations.discard(self)
@@ -309,6 +313,8 @@ class Generation:
         st.metrics.queue_time.labels(grp.id).observe(a.ticket.queue_time)
         st.metrics.prompt_tokens.labels(grp.id, a.principal.tenant).inc(u.prompt_tokens)
         st.metrics.generation_tokens.labels(grp.id, a.principal.tenant).inc(u.completion_tokens)
+        st.metrics.observe_request(grp.id, u.prompt_tokens, u.completion_tokens,
+                                   a.sampling.max_tokens, a.parsed.n)
         if st.audit is not None:
             st.audit.write({
                 **audit_record(a.trace, a.principal, grp.id, a.endpoint, self.status, u, latency),
