@@ -110,7 +110,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     break
         finally:
             self.telemetry.stages(span, times.submitted, times.first, times.last)
-            self.telemetry.end(span, times.last or None, None if finished else "cancelled",
+            failed = "cancelled" if not finished else times.error
+            self.telemetry.end(span, times.last or None, failed,
                                {"xlaserve.finish_reason": times.finish_reason or "cancelled",
                                 "gen_ai.usage.output_tokens": times.tokens})
             # a task of its own: a second cancellation of this handler cannot leave the id
@@ -163,6 +164,7 @@ class StreamTimes:
     last: float = 0.0
     tokens: int = 0
     finish_reason: str | None = None
+    error: str | None = None
 
     def saw(self, ev: EngineEvent) -> None:
         if ev.token_ids:
@@ -170,6 +172,7 @@ class StreamTimes:
             self.first = self.first or self.last
             self.tokens += len(ev.token_ids)
         self.finish_reason = ev.finish_reason or self.finish_reason
+        self.error = ev.error or self.error
 
 
 async def _watch_health(health: HealthServicer, engines: Mapping[str, AsyncEngine]) -> None:
