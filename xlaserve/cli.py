@@ -11,9 +11,11 @@ def _convert(args: argparse.Namespace) -> int:
     from xlaserve.checkpoints.convert import convert_gguf, convert_hf
 
     fn = convert_gguf if args.format == "gguf" else convert_hf
-    config = fn(args.src, args.out, overwrite=args.overwrite, quiet=args.quiet)
+    config = fn(args.src, args.out, overwrite=args.overwrite, quiet=args.quiet,
+                quantize=args.quantize)
     print(f"wrote {args.out}: {config.architecture}, {config.num_layers} layers, "
-          f"{config.num_params / 1e6:.1f}M parameters")
+          f"{config.num_params / 1e6:.1f}M parameters"
+          + (f", {config.quantization} weights" if config.quantization else ""))
     return 0
 
 
@@ -65,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="output model folder")
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--quantize", choices=["int8"], default=None,
+                   help="store the layer matrices as int8 with per-output-channel scales "
+                        "(weight-only; a float folder can also be quantized at load)")
     c.set_defaults(fn=_convert)
 
     g = sub.add_parser("generate", help="generate from one prompt, streamed to the terminal")

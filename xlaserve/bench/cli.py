@@ -33,7 +33,14 @@ def _step(args: argparse.Namespace) -> int:
     return step_main(args.model, decode_batches=_ints(args.rows), width=args.width,
                      context=args.context, prefill_chunks=_ints(args.chunks),
                      repeats=args.repeats, breakdown=args.breakdown, backend=args.backend,
-                     json_out=args.json)
+                     json_out=args.json, quantization=args.quantization)
+
+
+def _quality(args: argparse.Namespace) -> int:
+    from xlaserve.bench.quality import quality_main
+
+    return quality_main(args.model, args.quantization, args.window, args.max_tokens,
+                        args.backend, args.json)
 
 
 def _layouts(args: argparse.Namespace) -> int:
@@ -99,11 +106,24 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--chunks", default="64,128,256,512", help="prefill chunk lengths")
     st.add_argument("--repeats", type=int, default=10)
     st.add_argument("--backend", default="auto", help="attention backend (see kernels/)")
+    st.add_argument("--quantization", choices=["int8"], default=None,
+                    help="serve the weights int8 (a float folder is quantized as it loads)")
     st.add_argument("--breakdown", action="store_true",
                     help="also time each part of every step alone (weights, attention, head, "
                          "sampler, host)")
     st.add_argument("--json", help="write the report as JSON")
     st.set_defaults(fn=_step)
+
+    q = bsub.add_parser("quality", help="a quantized model against its float32 original: "
+                        "perplexity, top-1 agreement, logit error, greedy chat agreement")
+    q.add_argument("--model", required=True, help="float model folder written by `xlaserve "
+                   "convert` (quantized as it loads)")
+    q.add_argument("--quantization", default="int8", choices=["int8"])
+    q.add_argument("--window", type=int, default=256, help="tokens per teacher-forced window")
+    q.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per chat answer")
+    q.add_argument("--backend", default="auto", help="attention backend (see kernels/)")
+    q.add_argument("--json", help="write the report as JSON")
+    q.set_defaults(fn=_quality)
 
     s = bsub.add_parser("startup", help="load + compile time of the model vs a shallow variant")
     s.add_argument("--model", required=True, help="model folder written by `xlaserve convert`")

@@ -296,11 +296,11 @@ def format_report(rep: StepReport) -> str:
 
 def step_main(model_dir: str, *, decode_batches: list[int], width: int, context: int,
               prefill_chunks: list[int], repeats: int, breakdown: bool, backend: str,
-              json_out: str | None) -> int:
+              json_out: str | None, quantization: str | None = None) -> int:
     from xlaserve.serving.engine.config import EngineConfig
     from xlaserve.serving.loading import load_model
 
-    model = load_model(model_dir)
+    model = load_model(model_dir, quantization=quantization)
     most = max(decode_batches)
     blocks = max(width, -(-max(prefill_chunks, default=1) // 16))
     config = EngineConfig.from_args(max_model_len=max(2048, blocks * 16),

@@ -13,6 +13,7 @@ from xlaserve.checkpoints.gguf_file import gguf_tokenizer_fields, read_gguf
 from xlaserve.checkpoints.layout import params_from_hf
 from xlaserve.checkpoints.store import CONFIG_FILE, atomic_folder, check_output, save_params
 from xlaserve.models.config import ModelConfig
+from xlaserve.models.quantize import check_quantization, quantize_params
 
 
 def _bar(desc: str, quiet: bool):
@@ -21,8 +22,17 @@ def _bar(desc: str, quiet: bool):
     return progress
 
 
+def quantized(config: ModelConfig, params: dict, quantize: str | None
+              ) -> tuple[ModelConfig, dict]:
+    """The converted parameters as the folder stores them: float, or `quantize` ("int8")."""
+    check_quantization(quantize, "--quantize")
+    if quantize is None:
+        return config, params
+    return config.replace(quantization=quantize), quantize_params(params)
+
+
 def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
-                 quiet: bool = False) -> ModelConfig:
+                 quiet: bool = False, quantize: str | None = None) -> ModelConfig:
     from xlaserve.checkpoints.gguf_tokenizer import tokenizer_from_gguf
 
     check_output(out, overwrite, src)
@@ -30,6 +40,7 @@ def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
     config = model.config
     with atomic_folder(out, overwrite, src) as tmp:
         params = params_from_hf(config, model.get, _bar(f"dequantizing {Path(src).name}", quiet))
+        config, params = quantized(config, params, quantize)
         save_params(tmp, params)
         try:
             tokenizer_from_gguf(gguf_tokenizer_fields(src), tmp)
@@ -40,7 +51,7 @@ def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
 
 
 def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
-               quiet: bool = False) -> ModelConfig:
+               quiet: bool = False, quantize: str | None = None) -> ModelConfig:
     from safetensors import safe_open
 
     from xlaserve.serving.tokenizer import tokenizer_from_hf
@@ -79,6 +90,7 @@ def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
 
     with atomic_folder(out, overwrite, src) as tmp:
         params = params_from_hf(config, get, _bar(f"converting {src.name}", quiet))
+        config, params = quantized(config, params, quantize)
         save_params(tmp, params)
         tokenizer_from_hf(src, tmp, config.eos_token_ids)
         config.save(tmp / CONFIG_FILE)

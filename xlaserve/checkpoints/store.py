@@ -7,7 +7,9 @@
       tokenizer_config.json   chat template, special tokens
 
 Loading restores each array straight into its target sharding on the mesh: orbax reads only the
-slices a device holds, so no host ever materialises a full copy of a sharded parameter.
+slices a device holds, so no host ever materialises a full copy of a sharded parameter.  A
+quantized folder (`xlaserve convert --quantize int8`) holds each layer matrix as {"q", "scale"}
+(models/quantize.py); a float folder served quantized is quantized on the devices as it loads.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from jax.sharding import Mesh
 from xlaserve.checkpoints.errors import CheckpointError
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import Params
+from xlaserve.models.quantize import quantize_params
 from xlaserve.sharding.layout import ShardLayout
 
 CONFIG_FILE = "config.json"
@@ -95,13 +98,22 @@ def save_params(folder: Path, params: Params) -> None:
         ckptr.wait_until_finished()
 
 
-def load_config(folder: str | Path, dtype: str | None = None) -> ModelConfig:
+def load_config(folder: str | Path, dtype: str | None = None,
+                quantization: str | None = None) -> ModelConfig:
+    """The model folder's config, to be served in `dtype` and with `quantization` ("int8":
+    a float checkpoint is quantized as it loads, load_params) where they are given."""
     folder = Path(folder)
     path = folder / CONFIG_FILE
     if not path.exists():
         raise CheckpointError(f"{folder}: not a model folder (no {CONFIG_FILE}); "
                               f"create one with `xlaserve convert`")
     config = ModelConfig.load(path)
+    if quantization is not None and quantization != config.quantization:
+        if config.quantization is not None:
+            raise CheckpointError(f"{folder}: holds {config.quantization} weights, which "
+                                  f"cannot be served as {quantization}; convert the source "
+                                  f"again without --quantize")
+        config = config.replace(quantization=quantization)
     return config.replace(dtype=dtype) if dtype else config
 
 
@@ -119,9 +131,21 @@ def load_params(folder: str | Path, config: ModelConfig, mesh: Mesh) -> Params:
     import orbax.checkpoint as ocp
 
     folder = Path(folder)
-    target = ShardLayout.create(config, mesh).param_targets(mesh)
+    # What the folder holds (a bare parameter folder, without config.json, holds `config`'s).
+    stored = load_config(folder).quantization if (folder / CONFIG_FILE).exists() \
+        else config.quantization
+    if stored != config.quantization and stored is not None:
+        raise CheckpointError(f"{folder}: holds {stored} weights, not {config.quantization}")
+    layout = ShardLayout.create(config, mesh)
+    on_disk = layout if stored == config.quantization else \
+        ShardLayout.create(config.replace(quantization=stored), mesh)
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            return ckptr.restore((folder / PARAMS_DIR).absolute(), target)
+            params = ckptr.restore((folder / PARAMS_DIR).absolute(), on_disk.param_targets(mesh))
     except FileNotFoundError as e:
         raise CheckpointError(f"{folder}: no parameters ({e})") from e
+    if stored == config.quantization:
+        return params
+    # A float checkpoint served quantized: quantized where it lies, each scale computed over
+    # its channel's (possibly sharded) contracted axes, the result in the quantized layout.
+    return jax.jit(quantize_params, out_shardings=layout.param_shardings(mesh))(params)

@@ -12,7 +12,9 @@ A weight may also come packed (`PackedWeight`, made once at load by `pack_weight
 columns cut into panels of TILE_N, each stored as one contiguous [K, TILE_N] run, so that the
 kernel streams every panel from memory whatever the number of rows (unpacked, a panel's rows
 lie N floats apart, which the hardware prefetcher follows poorly: a batch of 8 rows took twice
-its bandwidth floor).
+its bandwidth floor).  Panels are float32, or int8 with per-column scales (a
+`QuantizedWeight`, kernels/quantized.py, packed): the kernel widens them in registers, so the
+step streams a quarter of the bytes.  An unpacked `QuantizedWeight` takes the jnp path.
 
 Why a kernel: under `lax.scan` XLA:CPU slices w[layer] into a fresh buffer before each dot (every
 weight byte read, written and read again), and runs batch-1 dots on one thread.  The kernel takes
@@ -30,16 +32,19 @@ import jax
 import jax.numpy as jnp
 
 from xlaserve.kernels.cpu import build
+from xlaserve.kernels.quantized import QuantizedWeight
 
 
 @jax.tree_util.register_pytree_node_class
 class PackedWeight:
     """A stacked weight w [L, K, N] as column panels: panels[l, t, k, c] = w[l, k, t*TN + c]
-    ([L, ceil(N / TN), K, TN], zero past N)."""
+    ([L, ceil(N / TN), K, TN], zero past N): float32, or int8 with the group scales laid out
+    the same way ([L, ceil(N / TN), K / G, TN]; kernels/quantized.py)."""
 
-    def __init__(self, panels: jax.Array, n: int):
+    def __init__(self, panels: jax.Array, n: int, scales: jax.Array | None = None):
         self.panels = panels
         self.n = n
+        self.scales = scales
 
     @property
     def shape(self) -> tuple[int, int, int]:   # the logical [L, K, N]
@@ -50,44 +55,65 @@ class PackedWeight:
         return 3
 
     @property
-    def dtype(self) -> Any:
-        return self.panels.dtype
+    def dtype(self) -> Any:   # the dtype it computes in
+        return self.panels.dtype if self.scales is None else self.scales.dtype
+
+    def kernel_args(self) -> tuple[jax.Array, ...]:
+        """What the native kernels take for this weight: the panels [, their scales]."""
+        return (self.panels,) if self.scales is None else (self.panels, self.scales)
 
     def unpacked(self) -> jax.Array:
-        """The [L, K, N] weight again (a copy: for the jnp path and tests)."""
+        """The [L, K, N] weight again, dequantized (a copy: for the jnp path and tests)."""
         layers, t, k, tn = self.panels.shape
-        return self.panels.transpose(0, 2, 1, 3).reshape(layers, k, t * tn)[:, :, :self.n]
+        w = self.panels.astype(self.dtype)
+        if self.scales is not None:
+            w = w * jnp.repeat(self.scales, k // self.scales.shape[2], axis=2)
+        return w.transpose(0, 2, 1, 3).reshape(layers, k, t * tn)[:, :, :self.n]
 
-    def tree_flatten(self) -> tuple[tuple[jax.Array], int]:
-        return (self.panels,), self.n
+    def tree_flatten(self) -> tuple[tuple[jax.Array, ...], tuple[int, bool]]:
+        return self.kernel_args(), (self.n, self.scales is not None)
 
     @classmethod
-    def tree_unflatten(cls, n: int, children: tuple[jax.Array]) -> PackedWeight:
-        return cls(children[0], n)
+    def tree_unflatten(cls, aux: tuple[int, bool], children: tuple[jax.Array, ...]
+                       ) -> PackedWeight:
+        n, _ = aux
+        return cls(children[0], n, children[1] if len(children) > 1 else None)
 
 
-def pack_weight(w: jax.Array) -> PackedWeight:
-    """w [L, K, N] (float32) -> its panels for the CPU kernel (a jitted copy, once at load)."""
+def pack_weight(w: jax.Array | QuantizedWeight) -> PackedWeight:
+    """w [L, K, N] (float32, or int8 with its scales) -> its panels for the CPU kernel (a
+    jitted copy, once at load)."""
     tn = build.matmul_tile_n()
-    layers, k, n = w.shape
+    layers, _, n = w.shape
     t = -(-n // tn)
 
     @jax.jit
-    def pack(w: jax.Array) -> jax.Array:
+    def pack(w: jax.Array) -> jax.Array:   # [L, rows, N] -> [L, T, rows, TN]
         padded = jnp.pad(w, ((0, 0), (0, 0), (0, t * tn - n)))
-        return padded.reshape(layers, k, t, tn).transpose(0, 2, 1, 3)
+        return padded.reshape(layers, w.shape[1], t, tn).transpose(0, 2, 1, 3)
 
+    if isinstance(w, QuantizedWeight):   # scales [L, K / G, N] -> [L, T, K / G, TN]
+        return PackedWeight(pack(w.q), n, pack(w.scale))
     return PackedWeight(pack(w), n)
 
 
-def layer_matmul_reference(x: jax.Array, weights: Sequence[jax.Array | PackedWeight],
+Operand = jax.Array | PackedWeight | QuantizedWeight
+
+
+def layer_matmul_reference(x: jax.Array, weights: Sequence[Operand],
                            layer: jax.Array) -> tuple[jax.Array, ...]:
     """x [M, K] @ w[layer] for each w [L, K, N] (or w [K, N]) -> tuple of [M, N]."""
-    ws = [w.unpacked() if isinstance(w, PackedWeight) else w for w in weights]
-    return tuple(x @ (w[layer] if w.ndim == 3 else w) for w in ws)
+    out = []
+    for w in weights:
+        if isinstance(w, QuantizedWeight):
+            out.append(w.matmul_reference(x, layer))
+            continue
+        w = w.unpacked() if isinstance(w, PackedWeight) else w
+        out.append(x @ (w[layer] if w.ndim == 3 else w))
+    return tuple(out)
 
 
-def gated_matmul_reference(gate: jax.Array, up: jax.Array, w: jax.Array | PackedWeight,
+def gated_matmul_reference(gate: jax.Array, up: jax.Array, w: Operand,
                            layer: jax.Array) -> jax.Array:
     """(silu(gate) * up) @ w[layer]: gate, up [M, F], w [L, F, N] -> [M, N]."""
     (y,) = layer_matmul_reference(jax.nn.silu(gate) * up, (w,), layer)
@@ -104,7 +130,7 @@ def _check_x(name: str, x: jax.Array) -> None:
         raise ValueError(f"{name}: x must be [M, K], got shape {x.shape}")
 
 
-def check_layer_matmul(x: jax.Array, weights: Sequence[jax.Array | PackedWeight]) -> None:
+def check_layer_matmul(x: jax.Array, weights: Sequence[Operand]) -> None:
     _check_x("layer_matmul", x)
     if not weights:
         raise ValueError("layer_matmul needs at least one weight")
@@ -129,7 +155,7 @@ def _check_residual(name: str, residual: jax.Array | None, shape: tuple[int, int
                          f"{residual.shape} {residual.dtype}")
 
 
-def layer_matmul(x: jax.Array, weights: Sequence[jax.Array | PackedWeight], layer: jax.Array,
+def layer_matmul(x: jax.Array, weights: Sequence[Operand], layer: jax.Array,
                  *, use_kernel: bool = True,
                  residual: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """(x @ w[layer] for w in weights): x [M, K], each w [L, K, N_i] (or packed) -> tuple of
@@ -147,23 +173,23 @@ def layer_matmul(x: jax.Array, weights: Sequence[jax.Array | PackedWeight], laye
             out = jax.ShapeDtypeStruct(residual.shape, jnp.float32)
             layer = jnp.asarray(layer, jnp.int32).reshape(())
             return (jax.ffi.ffi_call("xlaserve_matmul_packed_add", out)(
-                x, layer, residual, w.panels),)
+                x, layer, residual, *w.kernel_args()),)
         (y,) = layer_matmul(x, weights, layer, use_kernel=use_kernel)
         return (residual + y,)
     packed = [isinstance(w, PackedWeight) for w in weights]
-    if not uses_kernel(x, use_kernel):
-        return layer_matmul_reference(x, weights, layer)
+    if not uses_kernel(x, use_kernel) or any(isinstance(w, QuantizedWeight) for w in weights):
+        return layer_matmul_reference(x, weights, layer)   # int8 reaches the kernels packed
     out = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32) for w in weights)
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     if all(packed):
         return tuple(jax.ffi.ffi_call("xlaserve_matmul_packed", out)(
-            x, layer, *(w.panels for w in weights)))
+            x, layer, *(a for w in weights for a in w.kernel_args())))
     if any(packed):
         raise ValueError("layer_matmul: packed and unpacked weights in one call")
     return tuple(jax.ffi.ffi_call("xlaserve_matmul", out)(x, layer, *weights))
 
 
-def gated_matmul(gate: jax.Array, up: jax.Array, w: jax.Array | PackedWeight,
+def gated_matmul(gate: jax.Array, up: jax.Array, w: Operand,
                  layer: jax.Array, *, use_kernel: bool = True,
                  residual: jax.Array | None = None) -> jax.Array:
     """The MLP's down projection, [residual +] (silu(gate) * up) @ w[layer]: gate, up [M, F],
@@ -182,8 +208,8 @@ def gated_matmul(gate: jax.Array, up: jax.Array, w: jax.Array | PackedWeight,
     out = jax.ShapeDtypeStruct((gate.shape[0], w.shape[-1]), jnp.float32)
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     extra = () if residual is None else (residual,)
-    return jax.ffi.ffi_call("xlaserve_matmul_packed_gated", out)(gate, up, layer, w.panels,
-                                                                 *extra)
+    return jax.ffi.ffi_call("xlaserve_matmul_packed_gated", out)(gate, up, layer,
+                                                                 *w.kernel_args(), *extra)
 
 
 def head_matmul(x: jax.Array, table: jax.Array, *, use_kernel: bool = True) -> jax.Array:

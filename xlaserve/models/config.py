@@ -45,6 +45,9 @@ class ModelConfig:
     architecture: str = "llama"
     dtype: str = "float32"
     sliding_window: int | None = None  # Mistral: attend to the last this many positions
+    # None: every parameter in `dtype`; "int8": the layer matrices (and an untied lm_head)
+    # weight-only int8 with per-output-channel scales (models/quantize.py).
+    quantization: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +69,9 @@ class ModelConfig:
                              f"{self.sliding_window!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"ModelConfig.quantization must be None or 'int8', got "
+                             f"{self.quantization!r}")
         if self.rope_freq_factors is not None:
             factors = self.rope_freq_factors
             if len(factors) != self.head_dim // 2:

@@ -36,7 +36,9 @@ from xlaserve.kernels.matmul import (
     layer_matmul,
     pack_weight,
 )
+from xlaserve.kernels.quantized import QuantizedWeight, as_operand, quantize_int8
 from xlaserve.models.config import ModelConfig
+from xlaserve.models.quantize import quantize_params, quantized_axes, quantized_shapes
 from xlaserve.models.rope import apply_rope, inverse_frequencies
 
 Params = dict[str, Any]
@@ -109,7 +111,7 @@ def param_axes(config: ModelConfig) -> Params:
     }
     if not config.tie_word_embeddings:
         axes["lm_head"] = ("embed", "vocab")
-    return axes
+    return quantized_axes(axes) if config.quantization else axes
 
 
 KV_AXES = ("layers", "blocks", "block_size", "kv_heads", "head_dim")
@@ -130,13 +132,16 @@ def param_shapes(config: ModelConfig) -> Params:
     }
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (E, V)
-    return shapes
+    return quantized_shapes(shapes) if c.quantization else shapes
 
 
 def init_params(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> Params:
-    """Random parameters (host numpy), for tests and tiny models."""
+    """Random parameters (host numpy), for tests and tiny models; with
+    `config.quantization`, the same float parameters quantized."""
     rng = np.random.default_rng(seed)
     dtype = jnp.dtype(config.dtype)
+    if config.quantization:
+        return quantize_params(init_params(config.replace(quantization=None), seed, scale))
 
     def make(path: tuple[Any, ...], shape: tuple[int, ...]) -> np.ndarray:
         name = path[-1].key
@@ -163,11 +168,15 @@ class CacheGeometry(NamedTuple):
     block_size: int
 
 
-def _as_matrix(w: jax.Array | PackedWeight, inner: int) -> jax.Array | PackedWeight:
-    """[L, a, b, c] -> [L, a, b*c] (inner=2) or [L, a*b, c] (inner=1): contiguous, no copy.
-    A packed weight is a matrix already."""
+def _as_matrix(w: Any, inner: int) -> jax.Array | PackedWeight | QuantizedWeight:
+    """[L, a, b, c] -> [L, a, b*c] (inner=2) or [L, a*b, c] (inner=1): contiguous, no copy;
+    a quantized {"q", "scale"} as a QuantizedWeight of that shape.  A packed weight is a matrix
+    already."""
+    w = as_operand(w)
     if isinstance(w, PackedWeight):
         return w
+    if isinstance(w, QuantizedWeight):
+        return w.reshape_matrix(inner)
     if inner == 2:
         return w.reshape(*w.shape[:2], -1)
     return w.reshape(w.shape[0], -1, w.shape[-1])
@@ -181,15 +190,25 @@ def pack_params(params: Params) -> Params:
     """The same parameters with every layer matrix packed into panels for the CPU kernels
     (kernels/matmul.py), and the output head as panels too (`head`: [E, V] as one packed
     matrix; for tied embeddings a second copy of the table, transposed, while `embed` stays for
-    the input lookup).  One device only: the panels are not laid out for a mesh."""
+    the input lookup).  Quantized matrices pack as int8 panels; a quantized model's tied head
+    is quantized here (groups along E), so its decode steps stream no float32 matrix.
+    One device only: the panels are not laid out for a mesh."""
     layers = dict(params["layers"])
+    quantized = isinstance(_as_matrix(layers["wq"], 2), QuantizedWeight)
     for name, inner in _MATRIX_OF.items():
         if not isinstance(layers[name], PackedWeight):
             layers[name] = pack_weight(_as_matrix(layers[name], inner))
     out = {**params, "layers": layers}
     if "head" not in params:
-        head = params["embed"].T if "lm_head" not in params else params["lm_head"]  # [E, V]
-        out["head"] = pack_weight(head[None])
+        head = as_operand(params["lm_head"]) if "lm_head" in params else params["embed"].T
+        if isinstance(head, QuantizedWeight):          # [E, V] int8, scale [V]
+            head = QuantizedWeight(head.q[None], head.scale[None])
+        elif quantized:
+            q = jax.jit(lambda h: quantize_int8(h, 0))(head)
+            head = QuantizedWeight(q["q"][None], q["scale"][None])
+        else:
+            head = head[None]
+        out["head"] = pack_weight(head)
         out.pop("lm_head", None)
     return out
 
@@ -225,6 +244,7 @@ def decoder_layers(
     inv_freq = jnp.asarray(inverse_frequencies(c))
     wq, wk, wv = (_as_matrix(layers[n], 2) for n in ("wq", "wk", "wv"))  # [L, E, heads*D]
     wo = _as_matrix(layers["wo"], 1)                                      # [L, H*D, E]
+    w_gate, w_up, w_down = (_as_matrix(layers[n], 2) for n in ("w_gate", "w_up", "w_down"))
     heads = wq.shape[-1] // d
     per_layer = geometry.num_blocks * geometry.block_size
 
@@ -249,14 +269,14 @@ def decoder_layers(
             (o,) = layer_matmul(attn.reshape(t, heads * d), (wo,), i, use_kernel=use_kernel)
             x = x + reduce(o)
         h = rms_norm(x, layers["mlp_norm"][i], c.rms_norm_eps)
-        gate, up = layer_matmul(h, (layers["w_gate"], layers["w_up"]), i, use_kernel=use_kernel)
+        gate, up = layer_matmul(h, (w_gate, w_up), i, use_kernel=use_kernel)
         if reduce is None:
-            x = gated_matmul(gate, up, layers["w_down"], i, use_kernel=use_kernel, residual=x)
+            x = gated_matmul(gate, up, w_down, i, use_kernel=use_kernel, residual=x)
         else:
-            x = x + reduce(gated_matmul(gate, up, layers["w_down"], i, use_kernel=use_kernel))
+            x = x + reduce(gated_matmul(gate, up, w_down, i, use_kernel=use_kernel))
         return (x, k_flat, v_flat), None
 
-    num_layers = layers["wq"].shape[0]
+    num_layers = wq.shape[0]
     (x, k_flat, v_flat), _ = jax.lax.scan(layer_step, (x, k_flat, v_flat),
                                           jnp.arange(num_layers, dtype=jnp.int32))
     return x, k_flat, v_flat
@@ -309,10 +329,13 @@ def output_logits(params: Params, config: ModelConfig, x: jax.Array, *,
         return logits.astype(jnp.float32)
     if config.tie_word_embeddings:  # contract [V, E] as stored: `embed.T` would copy it
         return head_matmul(x, params["embed"], use_kernel=use_kernel)
+    head = as_operand(params["lm_head"])                                 # [E, V]
+    if isinstance(head, QuantizedWeight):
+        return head.matmul_reference(x, jnp.int32(0)).astype(jnp.float32)
     if use_kernel and x.dtype == jnp.float32:
-        (logits,) = layer_matmul(x, (params["lm_head"],), jnp.int32(0))
+        (logits,) = layer_matmul(x, (head,), jnp.int32(0))
         return logits
-    return jnp.einsum("me,ev->mv", x, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("me,ev->mv", x, head, preferred_element_type=jnp.float32)
 
 
 def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,

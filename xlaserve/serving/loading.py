@@ -26,8 +26,8 @@ class LoadedModel:
 
 
 def load_model(folder: str | Path, *, dtype: str | None = None,
-               mesh: Mesh | None = None) -> LoadedModel:
-    config = load_config(folder, dtype)
+               quantization: str | None = None, mesh: Mesh | None = None) -> LoadedModel:
+    config = load_config(folder, dtype, quantization)
     mesh = mesh or make_mesh()
     if config.dtype != "float32" and mesh.devices.flat[0].platform == "cpu":
         # Measured (BENCHMARKS.md, "dtypes on the CPU backend"): XLA:CPU runs bf16 scatters

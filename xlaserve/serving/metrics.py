@@ -91,7 +91,7 @@ class _EngineCollector(Collector):
     def _info(self) -> Metric:
         """One sample of 1 per local engine, labelled with what serves it (an engine behind gRPC
         has no `kernels` here: its worker logs them at start-up)."""
-        keys = ("attention_backend", "platform", "dtype")
+        keys = ("attention_backend", "platform", "dtype", "quantization")
         info = GaugeMetricFamily("xlaserve_engine_info", "Kernels a local engine serves with "
                                  "(value 1)", labels=[MODEL, ENGINE, *keys])
         for model, replica, engine in self._sources():

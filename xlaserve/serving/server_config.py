@@ -27,6 +27,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from xlaserve.models.quantize import check_quantization
 from xlaserve.serving.types import Tier
 
 TIER_NAMES = {t.name.lower(): t for t in Tier}
@@ -208,11 +209,14 @@ class ServedModel:
     engine_args: Mapping[str, Any] = field(default_factory=dict)
     dtype: str | None = "auto"    # auto: float32 on CPU (its fast one), bfloat16 on a GPU;
                                   # float32 | bfloat16 | float16; None: the model folder's
+    quantization: str | None = None   # "int8": weight-only int8 (a float folder is quantized
+                                      # as it loads); None: the model folder's
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"models[{self.name}].dtype={self.dtype!r}: choose from "
                              f"{[d for d in DTYPES if d]} (left out: auto)")
+        check_quantization(self.quantization, f"models[{self.name}].quantization")
         if not self.name or "@" in self.name or self.name == "auto":
             raise ValueError(f"models.name={self.name!r}: must be non-empty, without '@', "
                              "and not 'auto'")

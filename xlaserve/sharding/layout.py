@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import KV_AXES, KVCache, Params, param_axes, param_shapes
+from xlaserve.models.quantize import leaf_dtype
 from xlaserve.sharding.mesh import MESH_AXES, MeshConfig
 from xlaserve.sharding.rules import model_rules, partition_spec
 
@@ -113,9 +114,10 @@ class ShardLayout:
 
     def param_targets(self, mesh: Mesh) -> Params:
         """ShapeDtypeStructs carrying shardings: what orbax restores into."""
-        dtype = jnp.dtype(self.model.dtype)
-        return jax.tree_util.tree_map(
-            lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+        dtype = self.model.dtype
+        return jax.tree_util.tree_map_with_path(
+            lambda path, shape, sharding: jax.ShapeDtypeStruct(
+                shape, jnp.dtype(leaf_dtype(path, dtype)), sharding=sharding),
             param_shapes(self.model), self.param_shardings(mesh), is_leaf=_is_axes)
 
     # -- placing arrays --------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec
 
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import param_shapes
+from xlaserve.models.quantize import leaf_dtype
 from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.mesh import MeshConfig
 
@@ -56,12 +57,15 @@ def device_bytes(layout: ShardLayout, num_blocks: int, block_size: int,
                  kv_dtype: str | None = None) -> DeviceBytes:
     c = layout.model
     sizes = {"pipeline": layout.mesh.pipeline, "tensor": layout.mesh.tensor}
-    p_item = jnp.dtype(c.dtype).itemsize
-    shapes = jax.tree_util.tree_leaves(param_shapes(c), is_leaf=lambda x: isinstance(x, tuple))
+    leaves = jax.tree_util.tree_leaves_with_path(param_shapes(c),
+                                                 is_leaf=lambda x: isinstance(x, tuple))
+    items = [jnp.dtype(leaf_dtype(path, c.dtype)).itemsize for path, _ in leaves]
+    shapes = [s for _, s in leaves]
     specs = jax.tree_util.tree_leaves(layout.param_specs(),
                                       is_leaf=lambda x: isinstance(x, PartitionSpec))
-    params = sum(math.prod(shard_shape(s, p, sizes)) for s, p in zip(shapes, specs)) * p_item
-    params_total = sum(math.prod(s) for s in shapes) * p_item
+    params = sum(math.prod(shard_shape(s, p, sizes)) * item
+                 for s, p, item in zip(shapes, specs, items))
+    params_total = sum(math.prod(s) * item for s, item in zip(shapes, items))
     kv_item = jnp.dtype(kv_dtype or c.dtype).itemsize
     kv_shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
     kv = 2 * math.prod(shard_shape(kv_shape, layout.kv_spec(), sizes)) * kv_item

@@ -28,6 +28,9 @@ def test_presets_load():
     assert g.tier_limits(Tier.FREE).requests_per_minute == 20
     assert g.models[1].allows(Tier.PAID) and not g.models[1].allows(Tier.FREE)
     assert g.grpc.tls_ca and g.grpc.tls_cert and g.grpc.token_env == ""  # $XLASERVE_GRPC_TOKEN
+    q = load_config(CONFIGS / "smollm2-int8.toml")
+    assert q.models[0].quantization == "int8" and c.models[0].quantization is None
+    assert q.models[0].path == c.models[0].path   # the float folder, quantized as it loads
 
 
 @pytest.mark.parametrize("data,match", [
@@ -38,6 +41,7 @@ def test_presets_load():
     ({"models": [{"name": "a"}, {"name": "a"}]}, "duplicate"),
     ({"models": [{"name": "a", "replicas": ["http://x"]}]}, "not 'local'"),
     ({"models": [{"name": "a", "tiers": ["gold"]}]}, "tier='gold'"),
+    ({"models": [{"name": "a", "quantization": "int4"}]}, r"models\[a\].quantization='int4'"),
     ({"limits": {"free": {"requests_per_minute": -1}}}, "must be >= 0"),
     ({"admission": {"slo_wait_s": {"free": 0}}}, "must be > 0"),
     ({"auto": {"small": "a", "large": "b"}, "models": [{"name": "a"}]}, "'b' is not in"),

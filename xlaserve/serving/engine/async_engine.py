@@ -336,7 +336,8 @@ def _resolve(future: asyncio.Future[str], value: str) -> None:
 
 def build(served: Any) -> list[ThreadedEngine]:
     """The server's engine factory (`engine = "xlaserve.serving.engine.async_engine:build"`):
-    load the model folder `served.path` (in `served.dtype`: replicas.serving_dtype) and wrap
+    load the model folder `served.path` (in `served.dtype`: replicas.serving_dtype, and
+    `served.quantization`) and wrap
     continuous-batching engines configured by `served.engine_args` (EngineConfig.from_args keys;
     `mesh` is a table {pipeline, tensor, replicas} or the path of a preset such as
     configs/tp2.toml).  One engine per mesh replica; each compiles its buckets on its own
@@ -355,5 +356,5 @@ def build(served: Any) -> list[ThreadedEngine]:
     # On a multi-host job every process calls this with the same config: process 0 gets the
     # engine it serves with, the others the same runner, to `follow()`.
     engines = build_engines(served.path, EngineConfig.from_args(args), dtype=served.dtype,
-                            warmup=False)
+                            quantization=getattr(served, "quantization", None), warmup=False)
     return [ThreadedEngine(e, model_name=served.name) for e in engines]

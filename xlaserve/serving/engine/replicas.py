@@ -32,13 +32,15 @@ from xlaserve.sharding.mesh import make_replica_meshes
 
 
 def load_replicas(folder: str | Path, engine_config: EngineConfig, *, dtype: str | None = None,
+                  quantization: str | None = None,
                   devices: Sequence[jax.Device] | None = None) -> list[LoadedModel]:
     """One LoadedModel per replica of `engine_config.mesh`, parameters placed on its mesh.
 
     Raises ValueError (with the numbers) when the devices do not suffice or the model cannot be
     laid out on the mesh, before reading any parameter."""
     meshes = make_replica_meshes(engine_config.mesh, devices)
-    config = load_config(folder, serving_dtype(dtype, meshes[0].devices.flat[0].platform))
+    config = load_config(folder, serving_dtype(dtype, meshes[0].devices.flat[0].platform),
+                         quantization)
     tokenizer = Tokenizer.load(folder)
     if jax.process_count() > 1:
         check_multihost_meshes(engine_config, meshes)
@@ -82,12 +84,14 @@ def make_runner(model: LoadedModel, engine_config: EngineConfig) -> ModelRunner:
 
 
 def build_engines(folder: str | Path, engine_config: EngineConfig, *, dtype: str | None = None,
+                  quantization: str | None = None,
                   devices: Sequence[jax.Device] | None = None,
                   warmup: bool = True) -> list[LLMEngine]:
     """`engine_config.mesh.replicas` engines serving the model in `folder`, each on its own
     mesh, every bucket compiled (unless `warmup=False`)."""
     engines = []
-    for model in load_replicas(folder, engine_config, dtype=dtype, devices=devices):
+    for model in load_replicas(folder, engine_config, dtype=dtype, quantization=quantization,
+                               devices=devices):
         runner = make_runner(model, engine_config)
         if warmup:
             runner.warmup()

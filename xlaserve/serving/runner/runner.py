@@ -143,10 +143,12 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         platform = mesh.devices.flat[0].platform
         self.backend = resolve_backend(attention_backend, platform)
-        log_backend(attention_backend, self.backend, platform, config.dtype)
+        log_backend(attention_backend, self.backend, platform,
+                    config.dtype + (f", {config.quantization} weights" if config.quantization
+                                    else ""))
         # what serves, as /metrics labels it (xlaserve_engine_info)
         self.kernels = {"attention_backend": self.backend, "platform": platform,
-                        "dtype": config.dtype}
+                        "dtype": config.dtype, "quantization": config.quantization or "none"}
         # The CPU kernels read only each row's real blocks: one table width serves every step.
         self.buckets = buckets.single_width() if self.backend == "cpu" else buckets
         self.replicated = NamedSharding(mesh, PartitionSpec())

@@ -1,4 +1,5 @@
-// Weight matmuls for the CPU backend, reading stacked layer weights in place.
+// Weight matmuls for the CPU backend, reading stacked layer weights in place (the weights as
+// stored; packed panels, float32 or int8, are matmul_packed.cc's; the register tile, tile.h).
 //
 //   xlaserve_matmul      x [M, K] f32, layer [] i32, w_j [L, K, N_j] f32 (j = 1..n)
 //                        -> y_j [M, N_j] = x @ w_j[layer]          (or w_j [K, N_j], no layer)
@@ -40,6 +41,7 @@
 #include "parallel.h"
 #include "simd.h"
 #include "stats.h"
+#include "tile.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -47,59 +49,8 @@ namespace ffi = xla::ffi;
 namespace xlaserve {
 namespace {
 
-constexpr int kTileVecs = 3;
-constexpr int kTileN = kTileVecs * kLanes;
-constexpr int kMaxRows = kVectorRegisters >= 32 ? 8 : 4;  // MR: kMaxRows x 3 accumulators
-// Software prefetch distance of a register tile, in weight rows ahead: kPrefetchRows for
-// unpacked weights (rows N floats apart); on packed panels, measured on the development box
-// (30 SmolLM2 layers), tiles of one or two rows stream at 31 GB/s with 6 rows ahead against
-// 28-29 with 32, while four to eight rows want 32 (8 rows: 18 ms against 21).
-constexpr int kPrefetchRows = 32;
-constexpr int packed_prefetch_rows(int mr) { return mr <= 2 ? 6 : kPrefetchRows; }
 constexpr int kNtRowsPerItem = 64;
-constexpr int64_t kItemsPerThread = 4;
-constexpr int64_t kStreamRows = 4;
 constexpr int64_t kPackRows = 64;    // from this many rows, weight panels are packed first
-constexpr int64_t kMBlock = 64;      // rows of x run over the packed panels at a time
-
-// y[0:MR, 0:NV*kLanes] = x[0:MR, :] @ w[:, 0:NV*kLanes]; x rows ldx apart, w rows ldw apart.
-// With `res` (rows ldy apart, as y), y = res + x @ w.
-template <int MR, int NV, int PF = kPrefetchRows>
-void tile_nn(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw,
-             float* __restrict y, int64_t ldy, int64_t K, const float* __restrict res = nullptr) {
-  Vec acc[MR][NV];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[i][j] = zero();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wr = w + k * ldw;
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j)
-      __builtin_prefetch(wr + PF * ldw + j * kLanes, 0, 3);
-    Vec wv[NV];
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) wv[j] = load(wr + j * kLanes);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      Vec s = splat(x[i * ldx + k]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) acc[i][j] = fma(s, wv[j], acc[i][j]);
-    }
-  }
-  if (res != nullptr) {
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j)
-        store(y + i * ldy + j * kLanes, add(acc[i][j], load(res + i * ldy + j * kLanes)));
-    return;
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) store(y + i * ldy + j * kLanes, acc[i][j]);
-}
 
 // One column tile [n0, n0 + width) of y = x @ w over all M rows, in row blocks of MR.
 template <int NV>
@@ -314,188 +265,6 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32, 2> x,
   return ffi::Error::Success();
 }
 
-// -- packed weights ---------------------------------------------------------------------------
-//
-//   xlaserve_matmul_packed   x [M, K] f32, layer [] i32, p_j [L, T_j, K, kTileN] f32
-//                            -> y_j [M, N_j] = x @ w_j[layer], T_j = ceil(N_j / kTileN)
-//   xlaserve_matmul_packed_add    x [M, K], layer, residual [M, N], p [L, T, K, kTileN]
-//                            -> y [M, N] = residual + x @ w[layer]      (o: the residual update)
-//   xlaserve_matmul_packed_gated  gate [M, F], up [M, F] f32, layer [] i32, p [L, T, F, kTileN]
-//                            [, residual [M, N]]
-//                            -> y [M, N] = [residual +] (silu(gate) * up) @ w[layer]  (down)
-//
-// The same weights stored as column panels (kernels/matmul.py packs them once at load):
-// p[l, t, k, c] = w[l, k, t * kTileN + c], zero past N.  A panel is one contiguous run of
-// K x kTileN floats, so a tile streams it from memory at any M (no rows N floats apart), and
-// the small-M and large-M paths become one: register tiles of up to kMaxRows rows walk the
-// panel, rows taken kMBlock at a time so that x's block and the item's panels share L2.
-
-int64_t tile_n() { return kTileN; }
-
-// y[0:rows, n0:n0 + width) from one panel (plus res[...] when res is given: [rows, N] as y);
-// width < kTileN for a weight's last tile.
-void panel_rows(const float* x, int64_t rows, int64_t K, const float* panel, float* y,
-                int64_t N, int64_t n0, const float* res) {
-  const int64_t width = std::min<int64_t>(kTileN, N - n0);
-  float tmp[kMaxRows * kTileN];
-  auto run = [&](auto mr, int64_t m) {
-    constexpr int MR = decltype(mr)::value;
-    if (width == kTileN) {
-      tile_nn<MR, kTileVecs, packed_prefetch_rows(MR)>(x + m * K, K, panel, kTileN,
-                                                       y + m * N + n0, N, K,
-                                                       res ? res + m * N + n0 : nullptr);
-    } else {
-      tile_nn<MR, kTileVecs, packed_prefetch_rows(MR)>(x + m * K, K, panel, kTileN, tmp,
-                                                       kTileN, K);
-      for (int i = 0; i < MR; ++i)
-        for (int64_t c = 0; c < width; ++c)
-          y[(m + i) * N + n0 + c] = tmp[i * kTileN + c] +
-                                    (res ? res[(m + i) * N + n0 + c] : 0.0f);
-    }
-  };
-  int64_t m = 0;
-  for (; m + kMaxRows <= rows; m += kMaxRows) run(std::integral_constant<int, kMaxRows>(), m);
-  if (rows - m >= 4) { run(std::integral_constant<int, 4>(), m); m += 4; }
-  if (rows - m >= 2) { run(std::integral_constant<int, 2>(), m); m += 2; }
-  if (rows - m >= 1) run(std::integral_constant<int, 1>(), m);
-}
-
-struct Panel {
-  const float* p;    // [K, kTileN]
-  float* y;          // [M, N]
-  int64_t N, n0;
-  const float* res;  // [M, N] added to y, or nullptr
-};
-
-// The panels of layer l of one packed weight wd = [L, T, K, kTileN] writing y [M, N]; an
-// error message if the shapes do not fit.
-const char* add_panels(const float* w, ffi::Span<const int64_t> wd, float* y, int64_t M,
-                       int64_t N, int64_t ym, int64_t K, int32_t l, std::vector<Panel>& out,
-                       const float* res = nullptr) {
-  if (wd[2] != K || wd[3] != kTileN || wd[1] != (N + kTileN - 1) / kTileN || ym != M)
-    return "panels must be [L, ceil(N / tile_n), K, tile_n] for x [M, K] and y [M, N]";
-  if (l < 0 || l >= wd[0]) return "layer out of range";
-  const float* base = w + static_cast<int64_t>(l) * wd[1] * K * kTileN;
-  for (int64_t t = 0; t < wd[1]; ++t)
-    out.push_back({base + t * K * kTileN, y, N, t * kTileN, res});
-  return nullptr;
-}
-
-// Every panel's columns of y = x @ w for all M rows of x [M, K].
-void run_panels(const float* xp, int64_t M, int64_t K, const std::vector<Panel>& panels) {
-  const int64_t count = static_cast<int64_t>(panels.size());
-  // Few rows: memory-bound, so long contiguous runs a thread; more rows: finer items balance.
-  const int64_t per_thread = M <= kStreamRows ? 2 : kItemsPerThread;
-  const int64_t items = std::min<int64_t>(count, per_thread * num_threads());
-  parallel_for(items, [&](int64_t item) {
-    const int64_t b = count * item / items, e = count * (item + 1) / items;
-    for (int64_t m0 = 0; m0 < M; m0 += kMBlock)
-      for (int64_t i = b; i < e; ++i) {
-        const Panel& p = panels[i];
-        panel_rows(xp + m0 * K, std::min<int64_t>(kMBlock, M - m0), K, p.p, p.y + m0 * p.N,
-                   p.N, p.n0, p.res ? p.res + m0 * p.N : nullptr);
-      }
-  });
-}
-
-ffi::Error MatmulPacked(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> layer,
-                        ffi::RemainingArgs weights, ffi::RemainingRets outputs) {
-  ScopedTimer timer(Kernel::kMatmul);
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
-  const int32_t l = *layer.typed_data();
-  if (weights.size() != outputs.size() || weights.size() == 0)
-    return ffi::Error::InvalidArgument("xlaserve_matmul_packed: one output per weight");
-  std::vector<Panel> panels;
-  for (size_t j = 0; j < weights.size(); ++j) {
-    auto w = weights.get<ffi::Buffer<ffi::F32, 4>>(j);
-    auto y = outputs.get<ffi::Buffer<ffi::F32, 2>>(j);
-    if (!w.has_value() || !y.has_value())
-      return ffi::Error::InvalidArgument("xlaserve_matmul_packed: weights [L, T, K, TN] f32, "
-                                         "outputs [M, N] f32");
-    auto yd = (*y)->dimensions();
-    if (const char* bad = add_panels(w->typed_data(), w->dimensions(), (*y)->typed_data(), M,
-                                     yd[1], yd[0], K, l, panels))
-      return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed: ") + bad);
-  }
-  run_panels(x.typed_data(), M, K, panels);
-  return ffi::Error::Success();
-}
-
-// y = residual + x @ w[layer] (the residual stream's update by o or down, in one pass).
-ffi::Error MatmulPackedAdd(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> layer,
-                           ffi::Buffer<ffi::F32, 2> residual, ffi::Buffer<ffi::F32, 4> w,
-                           ffi::ResultBuffer<ffi::F32, 2> y) {
-  ScopedTimer timer(Kernel::kMatmul);
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
-  auto yd = y->dimensions();
-  if (residual.dimensions()[0] != yd[0] || residual.dimensions()[1] != yd[1])
-    return ffi::Error::InvalidArgument("xlaserve_matmul_packed_add: residual must be [M, N] "
-                                       "as y");
-  std::vector<Panel> panels;
-  if (const char* bad = add_panels(w.typed_data(), w.dimensions(), y->typed_data(), M, yd[1],
-                                   yd[0], K, *layer.typed_data(), panels,
-                                   residual.typed_data()))
-    return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_add: ") + bad);
-  run_panels(x.typed_data(), M, K, panels);
-  return ffi::Error::Success();
-}
-
-// h[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i] for i in [0, n).
-void silu_mul(const float* g, const float* u, float* h, int64_t n) {
-  int64_t i = 0;
-  const Vec one = splat(1.0f);
-  for (; i + kLanes <= n; i += kLanes) {
-    const Vec gv = load(g + i);
-    store(h + i, mul(div(gv, add(one, exp(sub(zero(), gv)))), load(u + i)));
-  }
-  for (; i < n; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-}
-
-// The MLP's down projection with its gate folded in: y = (silu(gate) * up) @ w[layer].  The
-// gated activations are made once into a scratch [M, F] (over the workers when there are
-// many), then the panels run as in MatmulPacked: XLA's fused silu runs on one thread and
-// was ~17 ms of a 512-token prefill step.
-ffi::Error MatmulPackedGated(ffi::Buffer<ffi::F32, 2> gate, ffi::Buffer<ffi::F32, 2> up,
-                             ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::F32, 4> w,
-                             ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32, 2> y) {
-  ScopedTimer timer(Kernel::kMatmul);
-  const int64_t M = gate.dimensions()[0], F = gate.dimensions()[1];
-  if (up.dimensions()[0] != M || up.dimensions()[1] != F)
-    return ffi::Error::InvalidArgument("xlaserve_matmul_packed_gated: gate and up must have "
-                                       "one shape [M, F]");
-  auto yd = y->dimensions();
-  const float* res = nullptr;   // an optional residual [M, N], added to y
-  if (rest.size() > 1)
-    return ffi::Error::InvalidArgument("xlaserve_matmul_packed_gated: one residual at most");
-  if (rest.size() == 1) {
-    auto r = rest.get<ffi::Buffer<ffi::F32, 2>>(0);
-    if (!r.has_value() || r->dimensions()[0] != yd[0] || r->dimensions()[1] != yd[1])
-      return ffi::Error::InvalidArgument("xlaserve_matmul_packed_gated: residual must be "
-                                         "[M, N] f32 as y");
-    res = r->typed_data();
-  }
-  std::vector<Panel> panels;
-  if (const char* bad = add_panels(w.typed_data(), w.dimensions(), y->typed_data(), M, yd[1],
-                                   yd[0], F, *layer.typed_data(), panels, res))
-    return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_gated: ") + bad);
-  thread_local std::vector<float> scratch;   // the calling thread's: workers get `h`
-  scratch.resize(M * F);
-  float* h = scratch.data();
-  const float* g = gate.typed_data();
-  const float* u = up.typed_data();
-  constexpr int64_t kRowsPerItem = 16;
-  if (M <= kRowsPerItem) {
-    silu_mul(g, u, h, M * F);
-  } else {
-    parallel_for((M + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
-      const int64_t m0 = item * kRowsPerItem, m1 = std::min(M, m0 + kRowsPerItem);
-      silu_mul(g + m0 * F, u + m0 * F, h + m0 * F, (m1 - m0) * F);
-    });
-  }
-  run_panels(h, M, F, panels);
-  return ffi::Error::Success();
-}
-
 // y[m, n] for n in [n0, n1), m in [m0, m0 + MR): NR w rows at a time.
 template <int MR, int NR>
 void tile_nt(const float* __restrict x, const float* __restrict w, float* __restrict y,
@@ -563,32 +332,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmul, xlaserve::Matmul,
                                   .Arg<xlaserve::S32_0>()  // layer
                                   .RemainingArgs()                  // w_j
                                   .RemainingRets());                // y_j
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPacked, xlaserve::MatmulPacked,
-                              ffi::Ffi::Bind()
-                                  .Arg<xlaserve::F32_2>()  // x
-                                  .Arg<xlaserve::S32_0>()  // layer
-                                  .RemainingArgs()         // p_j
-                                  .RemainingRets());       // y_j
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedGated, xlaserve::MatmulPackedGated,
-                              ffi::Ffi::Bind()
-                                  .Arg<xlaserve::F32_2>()     // gate
-                                  .Arg<xlaserve::F32_2>()     // up
-                                  .Arg<xlaserve::S32_0>()     // layer
-                                  .Arg<xlaserve::F32_4>()     // p
-                                  .RemainingArgs()            // [residual]
-                                  .Ret<xlaserve::F32_2>());   // y
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedAdd, xlaserve::MatmulPackedAdd,
-                              ffi::Ffi::Bind()
-                                  .Arg<xlaserve::F32_2>()     // x
-                                  .Arg<xlaserve::S32_0>()     // layer
-                                  .Arg<xlaserve::F32_2>()     // residual
-                                  .Arg<xlaserve::F32_4>()     // p
-                                  .Ret<xlaserve::F32_2>());   // y
-
-extern "C" int64_t xlaserve_matmul_tile_n() { return xlaserve::tile_n(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulNt, xlaserve::MatmulNt,
                               ffi::Ffi::Bind()

@@ -5,7 +5,7 @@
 //   AVX2+FMA  Vec =  8 floats (__m256), 16 vector registers
 //   otherwise Vec =  4 floats, plain C++ the compiler vectorises as it can (NEON, SSE)
 //
-// Only what the kernels use: unaligned load/store, broadcast, fused multiply-add, divide, max, a
+// Only what the kernels use: unaligned load/store (and a load of int8 widened to floats), broadcast, fused multiply-add, divide, max, a
 // horizontal sum and max, a kLanes x kLanes transpose, and exp (range reduction + degree-6
 // Taylor polynomial, relative error ~2e-7 over the softmax's range; inputs below -87 give 0).
 #pragma once
@@ -43,6 +43,11 @@ inline Vec round_nearest(Vec a) {
   return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
 }
 inline Vec scale_by_pow2(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }  // a * 2^n
+// 16 int8 at p, widened to floats (weight panels stored as int8).
+inline Vec load_widened(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 
 // dst[c * dst_stride + r] = src[r * src_stride + c] for r, c < 16: unpacks of 32- then 64-bit
 // pairs, then two rounds of 128-bit lane shuffles.
@@ -113,6 +118,11 @@ inline float hmax(Vec a) {
 inline Vec round_nearest(Vec a) {
   return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
 }
+// 8 int8 at p, widened to floats (weight panels stored as int8).
+inline Vec load_widened(const int8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+}
 inline Vec scale_by_pow2(Vec a, Vec n) {  // a * 2^n for integral n in [-127, 127]
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v),
                                                  _mm256_set1_epi32(127)), 23);
@@ -159,6 +169,7 @@ inline Vec mul(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] * b.v[i]); }
 inline Vec div(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] / b.v[i]); }
 inline Vec max(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
 inline Vec round_nearest(Vec a) { XLASERVE_LANEWISE(std::nearbyint(a.v[i])); }
+inline Vec load_widened(const int8_t* p) { XLASERVE_LANEWISE(static_cast<float>(p[i])); }
 inline Vec scale_by_pow2(Vec a, Vec n) { XLASERVE_LANEWISE(std::ldexp(a.v[i], int(n.v[i]))); }
 #undef XLASERVE_LANEWISE
 inline float hsum(Vec a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
@@ -170,6 +181,9 @@ inline void transpose_tile(const float* src, int64_t src_stride, float* dst,
 inline float hmax(Vec a) { return std::fmax(std::fmax(a.v[0], a.v[1]), std::fmax(a.v[2], a.v[3])); }
 
 #endif
+
+// The same load for float weights, so kernels templated on the weight type read either.
+inline Vec load_widened(const float* p) { return load(p); }
 
 // exp(x) lane by lane.  x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor polynomial to r^6
 // (Horner), times 2^n.  Inputs are clamped to [-87.3, 88.3]; below that the true value is under

@@ -1,0 +1,336 @@
+// Weight matmuls over packed panels, float32 or int8 (weight-only quantized).
+//
+//   xlaserve_matmul_packed   x [M, K] f32, layer [] i32, then per weight j: p_j [L, T_j, K, TN]
+//                            (f32, or s8 followed by its scales s_j [L, T_j, K / G, TN] f32)
+//                            -> y_j [M, N_j] = x @ w_j[layer], T_j = ceil(N_j / TN)
+//   xlaserve_matmul_packed_add    x [M, K], layer, residual [M, N], p [L, T, K, TN] [, s]
+//                            -> y [M, N] = residual + x @ w[layer]      (o: the residual update)
+//   xlaserve_matmul_packed_gated  gate [M, F], up [M, F] f32, layer [] i32, p [L, T, F, TN]
+//                            [, s] [, residual [M, N]]
+//                            -> y [M, N] = [residual +] (silu(gate) * up) @ w[layer]  (down)
+//
+// The weights are stored as column panels (kernels/matmul.py packs them once at load):
+// p[l, t, k, c] = w[l, k, t * TN + c], zero past N, TN = kTileN.  A panel is one contiguous run
+// of K x TN elements, so a tile streams it from memory at any M (no rows N floats apart): register
+// tiles of up to kMaxRows rows (tile.h) walk the panel, rows taken kMBlock at a time so that x's
+// block and the item's panels share L2.
+//
+// An int8 panel holds q = round(w / s) in groups of G consecutive rows of K (s[l, t, g, c] =
+// max |w[l, gG:(g+1)G, t * TN + c]| / 127, kernels/quantized.py), G = K / s.shape[2]; a decode
+// step streams a quarter of the float32 bytes plus one scale per G weights (see run_panels).  Accumulation is float32
+// either way, in a different order from XLA's dot: ~1e-6 relative to the jnp reference.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "buffers.h"
+#include "parallel.h"
+#include "simd.h"
+#include "stats.h"
+#include "tile.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace xlaserve {
+namespace {
+
+// Up to this many rows, int8 panels run grouped tiles (4 rows each: the first streams the panel
+// from memory, the others find it in L1); more rows dequantize each panel once per row block.
+constexpr int64_t kGroupedRows = 16;
+
+// Runs `tile(mr, m, dst, ldd, res)` over rows [0, rows) of one panel's columns [n0, n0 + width)
+// of y [rows, N] (res: [rows, N] added, or nullptr): register tiles of kMaxRows, 4, 2, 1 rows
+// (at most `max_rows`); a last panel narrower than kTileN writes through a scratch tile.
+template <int kTop, typename Tile>
+void over_rows(int64_t rows, float* y, int64_t N, int64_t n0, const float* res, Tile tile) {
+  const int64_t width = std::min<int64_t>(kTileN, N - n0);
+  float tmp[kMaxRows * kTileN];
+  auto run = [&](auto mr, int64_t m) {
+    constexpr int MR = decltype(mr)::value;
+    if (width == kTileN) {
+      tile(mr, m, y + m * N + n0, N, res ? res + m * N + n0 : nullptr);
+      return;
+    }
+    tile(mr, m, tmp, kTileN, nullptr);
+    for (int i = 0; i < MR; ++i)
+      for (int64_t c = 0; c < width; ++c)
+        y[(m + i) * N + n0 + c] = tmp[i * kTileN + c] + (res ? res[(m + i) * N + n0 + c] : 0.0f);
+  };
+  int64_t m = 0;
+  for (; m + kTop <= rows; m += kTop) run(std::integral_constant<int, kTop>(), m);
+  if (kTop > 4 && rows - m >= 4) { run(std::integral_constant<int, 4>(), m); m += 4; }
+  if (rows - m >= 2) { run(std::integral_constant<int, 2>(), m); m += 2; }
+  if (rows - m >= 1) run(std::integral_constant<int, 1>(), m);
+}
+
+// y[0:rows, n0:n0 + width) [+ res] from one float panel [K, kTileN].
+void panel_rows(const float* x, int64_t rows, int64_t K, const float* panel, float* y,
+                int64_t N, int64_t n0, const float* res) {
+  over_rows<kMaxRows>(rows, y, N, n0, res, [&](auto mr, int64_t m, float* dst, int64_t ldd,
+                                                const float* r) {
+    constexpr int MR = decltype(mr)::value;
+    tile_nn<MR, kTileVecs, packed_prefetch_rows(MR)>(x + m * K, K, panel, kTileN, dst, ldd, K,
+                                                     r);
+  });
+}
+
+// The same from an int8 panel q [K, kTileN] with its group scales [K / G, kTileN].
+void panel_rows_grouped(const float* x, int64_t rows, int64_t K, const int8_t* q,
+                        const float* scale, int64_t G, float* y, int64_t N, int64_t n0,
+                        const float* res) {
+  over_rows<4>(rows, y, N, n0, res, [&](auto mr, int64_t m, float* dst, int64_t ldd,
+                                         const float* r) {
+    constexpr int MR = decltype(mr)::value;
+    tile_nn_grouped<MR, kTileVecs, packed_prefetch_rows(MR)>(x + m * K, K, q, kTileN, scale,
+                                                             kTileN, G, dst, ldd, K, r);
+  });
+}
+
+struct Panel {
+  const void* p;       // [K, kTileN] float, or int8 when `scale` is set
+  const float* scale;  // [K / group, kTileN] the int8 panel's scales; nullptr for float panels
+  int64_t group;       // rows of K per scale (int8 panels)
+  float* y;            // [M, N]
+  int64_t N, n0;
+  const float* res;    // [M, N] added to y, or nullptr
+};
+
+// One packed weight as the handlers receive it: the panels and, for int8, their scales.
+struct PackedArg {
+  const void* panels = nullptr;   // [L, T, K, kTileN] f32, or s8 when `scales` is set
+  int64_t dims[4] = {};
+  const float* scales = nullptr;  // [L, T, K / group, kTileN] for s8, else nullptr
+  int64_t group = 0;
+};
+
+// Take the packed weight starting at args[i] (and its scales at args[i + 1] when it is int8),
+// advancing i past them; an error message when the buffers do not fit.
+const char* next_packed(ffi::RemainingArgs& args, size_t& i, PackedArg& out) {
+  auto p = args.get<ffi::AnyBuffer>(i++);
+  if (!p.has_value()) return "a weight argument is missing";
+  auto wd = p->dimensions();
+  if (wd.size() != 4) return "packed weights must be [L, T, K, tile_n]";
+  out.panels = p->untyped_data();
+  std::copy(wd.begin(), wd.end(), out.dims);
+  out.scales = nullptr;
+  if (p->element_type() == ffi::DataType::F32) return nullptr;
+  if (p->element_type() != ffi::DataType::S8) return "packed weights must be f32 or s8";
+  if (i >= args.size()) return "an s8 weight must be followed by its scales";
+  auto s = args.get<ffi::Buffer<ffi::F32, 4>>(i++);
+  if (!s.has_value()) return "the scales of an s8 weight must be [L, T, K / group, tile_n] f32";
+  auto sd = s->dimensions();
+  if (sd[0] != wd[0] || sd[1] != wd[1] || sd[3] != wd[3] || sd[2] < 1 || wd[2] % sd[2] != 0)
+    return "the scales of an s8 weight [L, T, K, tile_n] must be [L, T, K / group, tile_n] "
+           "with the group dividing K";
+  out.scales = s->typed_data();
+  out.group = wd[2] / sd[2];
+  return nullptr;
+}
+
+// The panels of layer l of one packed weight writing y [M, N]; an error message if the shapes
+// do not fit.
+const char* add_panels(const PackedArg& w, float* y, int64_t M, int64_t N, int64_t ym,
+                       int64_t K, int32_t l, std::vector<Panel>& out,
+                       const float* res = nullptr) {
+  const int64_t* wd = w.dims;
+  if (wd[2] != K || wd[3] != kTileN || wd[1] != (N + kTileN - 1) / kTileN || ym != M)
+    return "panels must be [L, ceil(N / tile_n), K, tile_n] for x [M, K] and y [M, N]";
+  if (l < 0 || l >= wd[0]) return "layer out of range";
+  const int64_t panel = K * kTileN, first = static_cast<int64_t>(l) * wd[1];
+  for (int64_t t = 0; t < wd[1]; ++t) {
+    if (w.scales == nullptr) {
+      const float* base = static_cast<const float*>(w.panels);
+      out.push_back({base + (first + t) * panel, nullptr, 0, y, N, t * kTileN, res});
+    } else {
+      const int8_t* base = static_cast<const int8_t*>(w.panels);
+      const int64_t scales = K / w.group * kTileN;   // one panel's
+      out.push_back({base + (first + t) * panel, w.scales + (first + t) * scales, w.group, y,
+                     N, t * kTileN, res});
+    }
+  }
+  return nullptr;
+}
+
+// out[k, :] = q[k, :] * s[k / G, :] for a panel's K rows of kTileN: the weight it stands for.
+void dequantize_panel(const int8_t* q, const float* scale, int64_t K, int64_t G, float* out) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int j = 0; j < kTileVecs; ++j)
+      store(out + k * kTileN + j * kLanes, mul(load_widened(q + k * kTileN + j * kLanes),
+                                               load(scale + (k / G) * kTileN + j * kLanes)));
+}
+
+// Every panel's columns of y = x @ w for all M rows of x [M, K].  An int8 panel is widened in
+// registers by grouped tiles when the rows are few (decode: the stream is what counts), or
+// dequantized once per block of rows into a float copy that stays in L2 while the block's
+// float tiles walk it (prefill: the FMAs are what counts, and the grouped tile adds work to
+// each and runs four rows at most).
+void run_panels(const float* xp, int64_t M, int64_t K, const std::vector<Panel>& panels) {
+  const int64_t count = static_cast<int64_t>(panels.size());
+  // Few rows: memory-bound, so long contiguous runs a thread; more rows: finer items balance.
+  const int64_t per_thread = M <= kStreamRows ? 2 : kItemsPerThread;
+  const int64_t items = std::min<int64_t>(count, per_thread * num_threads());
+  parallel_for(items, [&](int64_t item) {
+    thread_local std::vector<float> widened;   // an int8 panel as floats [K, kTileN]
+    const int64_t b = count * item / items, e = count * (item + 1) / items;
+    for (int64_t m0 = 0; m0 < M; m0 += kMBlock)
+      for (int64_t i = b; i < e; ++i) {
+        const Panel& p = panels[i];
+        const int64_t rows = std::min<int64_t>(kMBlock, M - m0);
+        float* y = p.y + m0 * p.N;
+        const float* res = p.res ? p.res + m0 * p.N : nullptr;
+        if (p.scale == nullptr) {
+          panel_rows(xp + m0 * K, rows, K, static_cast<const float*>(p.p), y, p.N, p.n0, res);
+        } else if (rows <= kGroupedRows) {   // widened in registers
+          panel_rows_grouped(xp + m0 * K, rows, K, static_cast<const int8_t*>(p.p), p.scale,
+                             p.group, y, p.N, p.n0, res);
+        } else {   // dequantized once for the block's tiles, into L2
+          widened.resize(K * kTileN);
+          dequantize_panel(static_cast<const int8_t*>(p.p), p.scale, K, p.group,
+                           widened.data());
+          panel_rows(xp + m0 * K, rows, K, widened.data(), y, p.N, p.n0, res);
+        }
+      }
+  });
+}
+
+ffi::Error MatmulPacked(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> layer,
+                        ffi::RemainingArgs weights, ffi::RemainingRets outputs) {
+  ScopedTimer timer(Kernel::kMatmul);
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  const int32_t l = *layer.typed_data();
+  std::vector<Panel> panels;
+  size_t i = 0, j = 0;
+  for (; i < weights.size(); ++j) {
+    PackedArg w;
+    if (const char* bad = next_packed(weights, i, w))
+      return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed: ") + bad);
+    if (j >= outputs.size())
+      return ffi::Error::InvalidArgument("xlaserve_matmul_packed: one output per weight");
+    auto y = outputs.get<ffi::Buffer<ffi::F32, 2>>(j);
+    if (!y.has_value())
+      return ffi::Error::InvalidArgument("xlaserve_matmul_packed: one output [M, N] f32 per "
+                                         "weight");
+    auto yd = (*y)->dimensions();
+    if (const char* bad = add_panels(w, (*y)->typed_data(), M, yd[1], yd[0], K, l, panels))
+      return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed: ") + bad);
+  }
+  if (j == 0 || j != outputs.size())
+    return ffi::Error::InvalidArgument("xlaserve_matmul_packed: one output per weight");
+  run_panels(x.typed_data(), M, K, panels);
+  return ffi::Error::Success();
+}
+
+// y = residual + x @ w[layer] (the residual stream's update by o or down, in one pass).
+ffi::Error MatmulPackedAdd(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> layer,
+                           ffi::Buffer<ffi::F32, 2> residual, ffi::RemainingArgs rest,
+                           ffi::ResultBuffer<ffi::F32, 2> y) {
+  ScopedTimer timer(Kernel::kMatmul);
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  auto yd = y->dimensions();
+  if (residual.dimensions()[0] != yd[0] || residual.dimensions()[1] != yd[1])
+    return ffi::Error::InvalidArgument("xlaserve_matmul_packed_add: residual must be [M, N] "
+                                       "as y");
+  size_t i = 0;
+  PackedArg w;
+  const char* bad = next_packed(rest, i, w);
+  if (bad == nullptr && i != rest.size()) bad = "one weight only";
+  std::vector<Panel> panels;
+  if (bad == nullptr)
+    bad = add_panels(w, y->typed_data(), M, yd[1], yd[0], K, *layer.typed_data(), panels,
+                     residual.typed_data());
+  if (bad) return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_add: ") + bad);
+  run_panels(x.typed_data(), M, K, panels);
+  return ffi::Error::Success();
+}
+
+// h[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i] for i in [0, n).
+void silu_mul(const float* g, const float* u, float* h, int64_t n) {
+  int64_t i = 0;
+  const Vec one = splat(1.0f);
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec gv = load(g + i);
+    store(h + i, mul(div(gv, add(one, exp(sub(zero(), gv)))), load(u + i)));
+  }
+  for (; i < n; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+// The MLP's down projection with its gate folded in: y = (silu(gate) * up) @ w[layer].  The
+// gated activations are made once into a scratch [M, F] (over the workers when there are
+// many), then the panels run as in MatmulPacked: XLA's fused silu runs on one thread and
+// was ~17 ms of a 512-token prefill step.
+ffi::Error MatmulPackedGated(ffi::Buffer<ffi::F32, 2> gate, ffi::Buffer<ffi::F32, 2> up,
+                             ffi::Buffer<ffi::S32, 0> layer, ffi::RemainingArgs rest,
+                             ffi::ResultBuffer<ffi::F32, 2> y) {
+  ScopedTimer timer(Kernel::kMatmul);
+  const int64_t M = gate.dimensions()[0], F = gate.dimensions()[1];
+  if (up.dimensions()[0] != M || up.dimensions()[1] != F)
+    return ffi::Error::InvalidArgument("xlaserve_matmul_packed_gated: gate and up must have "
+                                       "one shape [M, F]");
+  auto yd = y->dimensions();
+  size_t i = 0;
+  PackedArg w;
+  const char* bad = next_packed(rest, i, w);
+  const float* res = nullptr;   // an optional residual [M, N], added to y
+  if (bad == nullptr && i < rest.size()) {
+    auto r = rest.get<ffi::Buffer<ffi::F32, 2>>(i++);
+    if (!r.has_value() || r->dimensions()[0] != yd[0] || r->dimensions()[1] != yd[1])
+      bad = "residual must be [M, N] f32 as y";
+    else
+      res = r->typed_data();
+  }
+  if (bad == nullptr && i != rest.size()) bad = "one weight and one residual at most";
+  std::vector<Panel> panels;
+  if (bad == nullptr)
+    bad = add_panels(w, y->typed_data(), M, yd[1], yd[0], F, *layer.typed_data(), panels, res);
+  if (bad)
+    return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_gated: ") + bad);
+  thread_local std::vector<float> scratch;   // the calling thread's: workers get `h`
+  scratch.resize(M * F);
+  float* h = scratch.data();
+  const float* g = gate.typed_data();
+  const float* u = up.typed_data();
+  constexpr int64_t kRowsPerItem = 16;
+  if (M <= kRowsPerItem) {
+    silu_mul(g, u, h, M * F);
+  } else {
+    parallel_for((M + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
+      const int64_t m0 = item * kRowsPerItem, m1 = std::min(M, m0 + kRowsPerItem);
+      silu_mul(g + m0 * F, u + m0 * F, h + m0 * F, (m1 - m0) * F);
+    });
+  }
+  run_panels(h, M, F, panels);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace xlaserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPacked, xlaserve::MatmulPacked,
+                              ffi::Ffi::Bind()
+                                  .Arg<xlaserve::F32_2>()  // x
+                                  .Arg<xlaserve::S32_0>()  // layer
+                                  .RemainingArgs()         // p_j [, s_j]
+                                  .RemainingRets());       // y_j
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedGated, xlaserve::MatmulPackedGated,
+                              ffi::Ffi::Bind()
+                                  .Arg<xlaserve::F32_2>()     // gate
+                                  .Arg<xlaserve::F32_2>()     // up
+                                  .Arg<xlaserve::S32_0>()     // layer
+                                  .RemainingArgs()            // p [, s] [, residual]
+                                  .Ret<xlaserve::F32_2>());   // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedAdd, xlaserve::MatmulPackedAdd,
+                              ffi::Ffi::Bind()
+                                  .Arg<xlaserve::F32_2>()     // x
+                                  .Arg<xlaserve::S32_0>()     // layer
+                                  .Arg<xlaserve::F32_2>()     // residual
+                                  .RemainingArgs()            // p [, s]
+                                  .Ret<xlaserve::F32_2>());   // y
+
+extern "C" int64_t xlaserve_matmul_tile_n() { return xlaserve::kTileN; }
