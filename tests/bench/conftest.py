@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.live_server import tokenizer  # noqa: F401 (fixture)
+from tests.serving.live_server import make_server, tokenizer  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="session")

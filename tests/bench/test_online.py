@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.serving.live_server import free_port, make_server, tokenizer  # noqa: F401 (fixtures)
+from tests.serving.live_server import free_port
 from xlaserve.bench.online import (
     OnlineOptions,
     parse_rates,

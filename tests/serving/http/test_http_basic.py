@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+
 from tests.serving.fake_engine import expected_ids, expected_output
 
 
