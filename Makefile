@@ -10,7 +10,7 @@ MODEL_DIR := $(MODELS)/smollm2-135m-instruct
 RUNTIME   := $(VENV)/.installed-runtime
 TESTDEPS  := $(VENV)/.installed-test
 
-.PHONY: setup kernels model serve test clean-models
+.PHONY: setup kernels model browser serve test clean-models
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +49,15 @@ model: $(MODEL_DIR)/config.json
 serve: model kernels
 	$(VENV)/bin/xlaserve serve --config configs/smollm2.toml
 
-test: $(TESTDEPS) model kernels
+# Headless Chromium and its driver for the chat page's browser test (Debian's packages, as
+# root), installed when missing; where they cannot be installed the test says so and skips.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends chromium chromium-driver; } || \
+	  echo "warning: could not install chromium + chromium-driver: the chat page's browser test will skip"
+
+test: $(TESTDEPS) model kernels browser
 	XLASERVE_MODEL_DIR=$(MODEL_DIR) XLASERVE_GGUF=$(GGUF) $(PY) tests/run_all.py
 
 clean-models:

@@ -34,3 +34,9 @@ def test_runtime_dependencies_need_no_torch() -> None:
     names = [re.split(r"[<>=\[; ]", d, maxsplit=1)[0].lower() for d in project["dependencies"]]
     assert not {"torch", "transformers", "openai", "accelerate"} & set(names), names
     assert "torch==2.13.0" in project["optional-dependencies"]["test"]
+
+
+def test_test_installs_the_browser_when_missing() -> None:
+    test = planned("test")
+    assert "command -v chromium" in test and "apt-get install" in test
+    assert "chromium-driver" in test

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.serving.live_server import make_server, tokenizer  # noqa: F401 (fixtures)
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, model_dir: Path) -> tuple[Path, Path]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.serving.live_server import free_port, make_server, tokenizer  # noqa: F401 (fixtures)
+from tests.serving.live_server import free_port
 from xlaserve.bench.online import (
     OnlineOptions,
     parse_rates,
@@ -186,23 +186,23 @@ def test_cli_table_json_png_and_duration(make_server, tmp_path, capsys) -> None:
     assert "TTFT p50/p99 ms" in printed and "| inf " in printed and "sk-test" not in printed
     report = json.loads(out.read_text())
     assert report["workload"]["prompt_units"] == "words"    # no --tokenizer: corpus words
-    assert report["slo"] == {"ttft_s": 2.0, "tpot_s": 0.5}
+    assert report["slo"] == {"ttft_s": 2.0, "tpot_s": 0.5, "e2el_s": None}
     assert report["endpoint"]["api_key"] == "set"
     assert [s["rate"] for s in report["rates"]] == [4.0, "inf"]
     for s in report["rates"]:
         assert_counts_add_up(s)
         assert s["statuses"] == {"ok": s["sent"]}
         assert set(METRICS) <= set(s) and set(s["goodput"]) == {
-            "ttft_s", "tpot_s", "requests", "fraction", "rate_per_s"}
+            "ttft_s", "tpot_s", "e2el_s", "requests", "fraction", "rate_per_s"}
     # --duration 1.0: at 4 req/s only the arrivals before 1 s are sent; a burst sends all
     at4, burst = report["rates"]
     assert at4["sent"] == int((poisson_arrivals(10, 4.0, 0) < 1.0).sum()) < 10
     assert at4["sent"] + at4["unsent"] == 10
     assert burst["sent"] == 10 and burst["unsent"] == 0
-    assert png_size(png) == (1000, 400)
+    assert png_size(png) == (1200, 700)
     import matplotlib.image
 
-    assert matplotlib.image.imread(png).shape[:2] == (400, 1000)
+    assert matplotlib.image.imread(png).shape[:2] == (700, 1200)
 
 
 def test_option_errors_name_the_values() -> None:

@@ -65,7 +65,7 @@ def tokens_counted(front: HttpServer, tenant: str) -> tuple[float, float]:
 
 def test_disconnect_queued_in_admission_queued_in_engine_and_mid_decode(front):
     assert wait_for(front.engine_idle, 30)
-    aborts_before = front.metric("xlaserve_requests_total", finish_reason="abort")
+    aborts_before = front.metric("xlaserve_request_success_total", finished_reason="abort")
     m = front.metric
     # two requests fill the engine's batch (max_num_seqs = 2) and decode...
     blockers = [chat(front, "disc-block", STORY, 300) for _ in range(2)]
@@ -101,7 +101,7 @@ def test_disconnect_queued_in_admission_queued_in_engine_and_mid_decode(front):
     t0 = time.monotonic()
     assert wait_for(front.engine_idle, 5)
     assert time.monotonic() - t0 < 3  # far sooner than 300 tokens would take
-    assert m("xlaserve_requests_total", finish_reason="abort") - aborts_before == 4
+    assert m("xlaserve_request_success_total", finished_reason="abort") - aborts_before == 4
     _, completion = tokens_counted(front, "disc-block")
     assert 6 <= completion < 2 * 300
 

@@ -23,21 +23,6 @@ def _startup(args: argparse.Namespace) -> int:
     return startup_main(args.model, args.variant_layers, args.chunk, args.width, args.json)
 
 
-def _online(args: argparse.Namespace) -> int:
-    from xlaserve.bench.online import OnlineOptions, online_main, parse_rates
-    from xlaserve.bench.online_report import SLO
-    from xlaserve.bench.stream_client import Endpoint
-
-    endpoint = Endpoint(base_url=args.url, model=args.model, kind=args.endpoint,
-                        api_key=args.api_key, include_usage=not args.no_usage,
-                        timeout_s=args.timeout, ignore_eos=args.ignore_eos)
-    options = OnlineOptions(
-        workload=args.workload, rates=parse_rates(args.rates), num_requests=args.num_requests,
-        duration_s=args.duration, seed=args.seed, slo=SLO(args.slo_ttft, args.slo_tpot),
-        progress=not args.no_progress, max_concurrency=args.max_concurrency)
-    return online_main(endpoint, options, args.tokenizer, args.json, args.plot)
-
-
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
@@ -109,38 +94,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    "(calls waited for: not the headline numbers)")
     o.set_defaults(fn=_offline)
 
-    n = bsub.add_parser("online", help="Poisson arrivals at one or more rates against an "
-                        "OpenAI-compatible server: TTFT, TPOT, ITL, latency, goodput")
-    n.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000/v1")
-    n.add_argument("--model", required=True, help="the served model's name")
-    n.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    n.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
-    n.add_argument("--workload", default="mixed", choices=sorted(WORKLOADS),
-                   help="; ".join(f"{k}: {v.description}" for k, v in WORKLOADS.items()))
-    n.add_argument("--tokenizer", help="model folder whose tokenizer.json cuts the prompts "
-                   "to exact token lengths (default: the corpus cut into words)")
-    n.add_argument("--rates", default="1", help="requests/s, comma-separated for a sweep "
-                   "(e.g. 0.5,1,2); inf sends every request at once")
-    n.add_argument("--num-requests", type=int, default=None,
-                   help="requests per rate (default: the workload's count)")
-    n.add_argument("--duration", type=float, default=None,
-                   help="seconds per rate after which no request is sent")
-    n.add_argument("--max-concurrency", type=int, default=None,
-                   help="at most N requests in flight (with --rates inf: a closed loop at "
-                   "fixed concurrency, as `vllm bench serve --max-concurrency`)")
-    n.add_argument("--ignore-eos", action="store_true",
-                   help="ask for exactly max_tokens per request (ignore_eos: vLLM's and "
-                   "llama.cpp's extension), so every server generates the same tokens")
-    n.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, s")
-    n.add_argument("--slo-ttft", type=float, default=1.0, help="goodput SLO on TTFT, s")
-    n.add_argument("--slo-tpot", type=float, default=0.2, help="goodput SLO on TPOT, s")
-    n.add_argument("--no-usage", action="store_true",
-                   help="do not ask for stream_options.include_usage (count text chunks)")
-    n.add_argument("--seed", type=int, default=0)
-    n.add_argument("--json", help="write summaries and per-request records")
-    n.add_argument("--plot", help="write a PNG of TTFT/TPOT p50 and p99 against rate")
-    n.add_argument("--no-progress", action="store_true", help="no progress bar")
-    n.set_defaults(fn=_online)
+    from xlaserve.bench.online_cli import add_online_parser
+
+    add_online_parser(bsub)
 
     st = bsub.add_parser("step", help="each kind of device step timed against its floor "
                          "(read bandwidth and GEMM rate measured in the same run)")

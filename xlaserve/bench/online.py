@@ -2,13 +2,15 @@
 arrivals, one run per request rate, every request streamed and timed chunk by chunk.
 
     workload spec --build--> token-id prompts --decode--> TextRequest[]     text_requests()
-        (no tokenizer at hand: the corpus cut into words instead, see CorpusWords)
+        (--dataset random|sharegpt-like|prefix-repetition: vLLM's shapes, datasets.py;
+        no tokenizer at hand: the corpus cut into words instead, see CorpusWords)
     rate r: arrival gaps ~ Exp(mean 1/r), the same seeded draws at every rate  poisson_arrivals()
         each arrival --stream_client.send--> RequestRecord                    run_rate()
         (--max-concurrency N: at most N requests in flight, the next one sent as one finishes:
         with rate inf, a closed loop at fixed concurrency, as `vllm bench serve` runs it)
     RequestRecord[] + wall time + SLO --> one summary per rate             online_report.py
-    summaries --> table (stdout), JSON (--json), PNG (--plot)
+    summaries --> table (stdout), JSON (--json), PNG (--plot), and per rate the JSON
+        `vllm bench serve --save-result` writes (--save-result, vllm_result.py)
 
 Every rate sends the same requests in the same order, so the rates differ only in spacing.  A
 rate's run sends nothing after `duration_s` and ends once every sent request has finished or hit
@@ -30,8 +32,10 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from xlaserve.bench.datasets import DatasetOptions, build_dataset, describe
 from xlaserve.bench.online_report import SLO, format_rate_table, rate_label, summarize
 from xlaserve.bench.stream_client import Endpoint, RequestRecord, TextRequest, send
+from xlaserve.bench.vllm_result import SaveOptions, vllm_result
 from xlaserve.bench.workload import get_workload
 
 if TYPE_CHECKING:
@@ -48,6 +52,8 @@ class OnlineOptions:
     slo: SLO = field(default_factory=SLO)
     progress: bool = True
     max_concurrency: int | None = None  # requests in flight at most; None: unbounded
+    dataset: DatasetOptions | None = None   # vLLM's dataset shapes instead of the workload
+    goodput_set: bool = False           # the SLO came from --goodput (vLLM's request_goodput)
 
     def __post_init__(self) -> None:
         if not self.rates or not all(r > 0 for r in self.rates):
@@ -91,19 +97,27 @@ class CorpusWords:
         return " ".join(self._words[i] for i in ids)
 
 
+DEFAULT_NUM_PROMPTS = 1000   # vLLM's --num-prompts default, for --dataset
+
+
 def text_requests(workload: str, tokenizer: Tokenizer | None, seed: int = 0,
-                  num_requests: int | None = None) -> tuple[list[TextRequest], dict[str, Any]]:
-    """The workload's requests as text prompts (its token ids decoded; corpus words without a
-    tokenizer), and its description for the report."""
-    spec = get_workload(workload)
+                  num_requests: int | None = None, dataset: DatasetOptions | None = None
+                  ) -> tuple[list[TextRequest], dict[str, Any]]:
+    """The workload's (or the dataset's) requests as text prompts (its token ids decoded;
+    corpus words without a tokenizer), and its description for the report."""
     words = CorpusWords() if tokenizer is None else None
     # CorpusWords has the two methods build() and decode below use; it is no Tokenizer.
     tok = cast("Tokenizer", words) if words is not None else tokenizer
     assert tok is not None
+    units = "words" if words else "tokens"
+    if dataset is not None:
+        reqs = build_dataset(dataset, tok, seed, num_requests or DEFAULT_NUM_PROMPTS)
+        return reqs, {**describe(dataset, reqs), "seed": seed, "prompt_units": units}
+    spec = get_workload(workload)
     w = spec.build(tok, seed, num_requests)
     requests = [TextRequest(r.request_id, tok.decode(list(r.prompt_token_ids)),
-                            r.num_output_tokens) for r in w.requests]
-    return requests, {**w.describe(), "prompt_units": "words" if words else "tokens"}
+                            r.num_output_tokens, len(r.prompt_token_ids)) for r in w.requests]
+    return requests, {**w.describe(), "prompt_units": units}
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
@@ -170,35 +184,62 @@ def _json_safe(x: Any) -> Any:
     return x
 
 
+def save_results(results: list[dict[str, Any]], requests: list[TextRequest],
+                 endpoint: Endpoint, options: OnlineOptions, save: SaveOptions,
+                 tokenizer_id: str | None) -> list[Path]:
+    """One vLLM-format result file per rate (see vllm_result.py); returns their paths."""
+    if save.result_filename and len(results) > 1:
+        raise ValueError(f"--result-filename {save.result_filename!r} names one file, but "
+                         f"{len(results)} rates ran: leave it out (each rate gets vLLM's "
+                         "default name) or run one rate")
+    paths = []
+    for summary in results:
+        result = vllm_result(summary, requests, endpoint_kind=endpoint.kind,
+                             model=endpoint.model, tokenizer_id=tokenizer_id,
+                             max_concurrency=options.max_concurrency,
+                             goodput_set=options.goodput_set, save=save)
+        path = save.path(save.label or result["backend"], summary["rate"],
+                         options.max_concurrency, endpoint.model, result["date"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_json_safe(result), allow_nan=False))
+        paths.append(path)
+    return paths
+
+
 def online_main(endpoint: Endpoint, options: OnlineOptions, tokenizer_dir: str | None,
-                json_path: str | None, plot_path: str | None) -> int:
+                json_path: str | None, plot_path: str | None,
+                save: SaveOptions | None = None) -> int:
     tokenizer = None
     if tokenizer_dir is not None:
         from xlaserve.serving.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.load(tokenizer_dir)
     requests, workload = text_requests(options.workload, tokenizer, options.seed,
-                                       options.num_requests)
+                                       options.num_requests, options.dataset)
     results = run_sweep(endpoint, requests, options)
     concurrency = f", at most {options.max_concurrency} in flight" \
         if options.max_concurrency else ""
-    print(f"{endpoint.kind} at {endpoint.url}, model {endpoint.model}, workload "
-          f"{workload['name']} ({len(requests)} requests/rate{concurrency}), SLO TTFT <= "
-          f"{options.slo.ttft_s:g} s and TPOT <= {options.slo.tpot_s:g} s")
+    print(f"{endpoint.kind} at {endpoint.url}, model {endpoint.model}, "
+          f"{'dataset' if options.dataset else 'workload'} {workload['name']} "
+          f"({len(requests)} requests/rate{concurrency}), SLO {options.slo.describe()}")
     print(format_rate_table(results))
     if json_path:
         report = {"endpoint": endpoint.describe(), "workload": workload,
                   "options": {"rates": list(options.rates), "num_requests": len(requests),
                               "duration_s": options.duration_s, "seed": options.seed,
                               "max_concurrency": options.max_concurrency},
-                  "slo": {"ttft_s": options.slo.ttft_s, "tpot_s": options.slo.tpot_s},
+                  "slo": {"ttft_s": options.slo.ttft_s, "tpot_s": options.slo.tpot_s,
+                          "e2el_s": options.slo.e2el_s},
                   "rates": results}
         Path(json_path).write_text(json.dumps(_json_safe(report), indent=1, allow_nan=False))
         print(f"wrote {json_path}")
+    if save is not None:
+        for path in save_results(results, requests, endpoint, options, save, tokenizer_dir):
+            print(f"wrote {path}")
     if plot_path:
         from xlaserve.bench.latency_plot import plot_latency
 
         plot_latency(results, plot_path, title=f"{endpoint.model} @ {endpoint.base_url}, "
-                                               f"workload {workload['name']}")
+                                               f"{workload['name']}")
         print(f"wrote {plot_path}")
     return 0

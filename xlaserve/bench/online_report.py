@@ -5,12 +5,12 @@
         "wall_s", "request_throughput", "output_tokens", "output_tokens_per_s",
         "usage_reported",                          # requests whose count came from usage
         "ttft_s" | "tpot_s" | "itl_s" | "e2e_s": {"n", "mean", "p50", "p90", "p99"},
-        "goodput": {"ttft_s", "tpot_s", "requests", "fraction", "rate_per_s"}}
+        "goodput": {"ttft_s", "tpot_s", "e2el_s", "requests", "fraction", "rate_per_s"}}
 
 Latency distributions cover the completed ("ok") requests; ITL pools every gap of every one of
 them.  Throughput divides completed requests and their output tokens by the rate's wall time.
-Goodput counts requests that completed with TTFT <= slo.ttft_s and TPOT <= slo.tpot_s (a
-one-token answer has no TPOT and passes that half); its fraction is over every sent request, so
+Goodput counts requests that completed within every objective of the SLO (TTFT, TPOT, E2EL;
+a one-token answer has no TPOT and passes that one); its fraction is over every sent request, so
 failures count against it.  `sent == completed + failed == sum(statuses)` always holds.
 """
 
@@ -27,23 +27,55 @@ from xlaserve.bench.stream_client import RequestRecord
 PERCENTILES = (50, 90, 99)
 
 
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")   # `--goodput NAME:MS` names, as vLLM's
+
+
 @dataclass(frozen=True)
 class SLO:
-    ttft_s: float = 1.0
-    tpot_s: float = 0.2
+    """Per-request latency objectives, seconds; None: not checked.  A request is good when it
+    completed and meets every one that is set."""
+
+    ttft_s: float | None = 1.0
+    tpot_s: float | None = 0.2
+    e2el_s: float | None = None
 
     def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.tpot_s > 0):
-            raise ValueError(f"--slo-ttft {self.ttft_s} and --slo-tpot {self.tpot_s} must "
-                             "be > 0")
+        for name, v in (("ttft", self.ttft_s), ("tpot", self.tpot_s), ("e2el", self.e2el_s)):
+            if v is not None and not v > 0:
+                raise ValueError(f"SLO {name} {v} must be > 0 (--slo-{name}, --goodput "
+                                 f"{name}:MS)")
+
+    @classmethod
+    def from_goodput(cls, pairs: list[str]) -> SLO:
+        """vLLM's `--goodput ttft:500 tpot:50 [e2el:MS]` (milliseconds): only the named
+        objectives are checked."""
+        ms: dict[str, float] = {}
+        for pair in pairs:
+            name, _, value = pair.partition(":")
+            if name not in GOODPUT_METRICS:
+                raise ValueError(f"--goodput {pair!r}: the metric must be one of "
+                                 f"{', '.join(GOODPUT_METRICS)}")
+            try:
+                ms[name] = float(value)
+            except ValueError:
+                raise ValueError(f"--goodput {pair!r}: expected NAME:MILLISECONDS") from None
+        if not ms:
+            raise ValueError("--goodput: give one or more NAME:MILLISECONDS pairs")
+        return cls(**{f"{k}_s": ms[k] / 1e3 if k in ms else None for k in GOODPUT_METRICS})
 
     def met(self, r: RequestRecord) -> bool:
         if not r.ok:
             return False
         first = r.ttft_s if r.ttft_s is not None else r.latency_s   # no text: the whole wait
-        tpot = r.tpot_s
-        return first is not None and first <= self.ttft_s and (tpot is None
-                                                               or tpot <= self.tpot_s)
+        tpot = r.tpot_s      # None for a one-token answer: passes the TPOT objective
+        return (first is not None and (self.ttft_s is None or first <= self.ttft_s)
+                and (self.tpot_s is None or tpot is None or tpot <= self.tpot_s)
+                and (self.e2el_s is None or (r.latency_s or 0.0) <= self.e2el_s))
+
+    def describe(self) -> str:
+        parts = [f"{n} <= {v:g} s" for n, v in (("TTFT", self.ttft_s), ("TPOT", self.tpot_s),
+                                               ("E2EL", self.e2el_s)) if v is not None]
+        return " and ".join(parts)
 
 
 def distribution(values: list[float]) -> dict[str, float | int | None]:
@@ -79,7 +111,8 @@ def summarize(rate: float, records: list[RequestRecord], wall_s: float, slo: SLO
         "tpot_s": distribution([t for r in ok if (t := r.tpot_s) is not None]),
         "itl_s": distribution([g for r in ok for g in r.itl_s]),
         "e2e_s": distribution([r.latency_s for r in ok if r.latency_s is not None]),
-        "goodput": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "requests": good,
+        "goodput": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2el_s": slo.e2el_s,
+                    "requests": good,
                     "fraction": good / len(records) if records else 0.0,
                     "rate_per_s": good / wall},
     }

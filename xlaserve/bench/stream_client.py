@@ -34,6 +34,7 @@ class TextRequest:
     request_id: str
     prompt: str
     max_tokens: int
+    prompt_tokens: int | None = None   # its length where the dataset knows it (vLLM's prompt_len)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class RequestRecord:
     text_chunks: int = 0
     prompt_tokens: int | None = None  # from usage
     usage_reported: bool = False
+    text: str = ""                   # the streamed text (vLLM's generated_text)
     error: str | None = None         # the server's message or the exception, for failures
 
     @property
@@ -172,7 +174,8 @@ async def _stream(client: httpx.AsyncClient, endpoint: Endpoint, req: TextReques
                 record.usage_reported = True
                 record.output_tokens = int(usage.get("completion_tokens", 0))
                 record.prompt_tokens = usage.get("prompt_tokens")
-            if _chunk_text(event):
+            if piece := _chunk_text(event):
+                record.text += piece
                 if last is None:
                     record.ttft_s = now - sent
                 else:

@@ -1,13 +1,31 @@
-"""Prometheus metrics, one CollectorRegistry per app (never the global one), close to vLLM's
-core set.  Request-path metrics are observed by the front end as events pass; engine state
-(running, waiting, KV usage, prefix cache, preemptions) is read from `engine.stats()`, and the
-step costs admission projects from (`engine.service_costs()`), at scrape time by a
-collector, so it is never stale and costs nothing between scrapes.
+"""Prometheus metrics, one CollectorRegistry per app (never the global one): vLLM's v1 names
+and labels where the meaning is the same, `vllm:X` as `xlaserve_X` (a dashboard for vLLM
+works after replacing `vllm:` by `xlaserve_`; deploy/grafana/xlaserve.json is ours), plus
+xlaserve's own (admission, rejections, HTTP statuses, step costs, tenants).
+
+    labels     model_name (the served model id, vLLM's), engine (the replica, vLLM's engine
+               index), finished_reason (vLLM's), tenant (ours: token counters per tenant)
+    request    time_to_first_token, inter_token_latency (every gap), e2e_request_latency,
+               request_queue_time (the admission queue), request_time_per_output_token (one
+               per choice: (last - first token) / (tokens - 1)), request_prefill_time (sent
+               to the engine -> first token: its own wait for a batch slot included),
+               request_decode_time (first -> last token), request_inference_time (the two),
+               request_prompt_tokens, request_generation_tokens, request_params_max_tokens,
+               request_params_n (histograms); request_success, prompt_tokens,
+               generation_tokens (counters)
+    engine     num_requests_running / _waiting, kv_cache_usage_perc, prefix_cache_queries /
+               _hits, num_preemptions: read from `engine.stats()`, and the step costs
+               admission projects from (`engine.service_costs()`), at scrape time by a
+               collector, so never stale and free between scrapes
+
+Request-path metrics are observed by the front end (`Generation`, serving/http/state.py) from
+the events the engines emit and the times they arrive; an engine behind gRPC is timed the same.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,6 +35,10 @@ from xlaserve.serving.engine_api import AsyncEngine
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_N = (1, 2, 5, 10, 20)
+MODEL = "model_name"     # vLLM's label names
+ENGINE = "engine"
 
 # One entry per engine replica: (model id, replica name, engine).
 EngineSource = tuple[str, str, AsyncEngine]
@@ -27,7 +49,7 @@ class _EngineCollector(Collector):
         self._sources = sources
 
     def collect(self) -> Iterable[Metric]:
-        labels = ["model", "replica"]
+        labels = [MODEL, ENGINE]
         g = {name: GaugeMetricFamily(f"xlaserve_{name}", doc, labels=labels) for name, doc in [
             ("num_requests_running", "Requests in the engine's running batch"),
             ("num_requests_waiting", "Requests accepted by the engine, not yet running"),
@@ -71,7 +93,7 @@ class _EngineCollector(Collector):
         has no `kernels` here: its worker logs them at start-up)."""
         keys = ("attention_backend", "platform", "dtype", "quantization")
         info = GaugeMetricFamily("xlaserve_engine_info", "Kernels a local engine serves with "
-                                 "(value 1)", labels=["model", "replica", *keys])
+                                 "(value 1)", labels=[MODEL, ENGINE, *keys])
         for model, replica, engine in self._sources():
             kernels = getattr(engine, "kernels", None)
             if isinstance(kernels, dict):
@@ -79,37 +101,89 @@ class _EngineCollector(Collector):
         return info
 
 
+def _histograms(r: CollectorRegistry) -> dict[str, Histogram]:
+    """The per-request histograms, labelled by model_name: attribute -> family."""
+    specs = (
+        ("ttft", "time_to_first_token_seconds", "Time from arrival to the first token",
+         _LATENCY),
+        ("itl", "inter_token_latency_seconds", "Time between consecutive output events of a "
+         "request", _ITL),
+        ("tpot", "request_time_per_output_token_seconds", "Per choice: (last token - first "
+         "token) / (tokens - 1)", _ITL),
+        ("e2e", "e2e_request_latency_seconds", "Time from arrival to the last token", _LATENCY),
+        ("queue_time", "request_queue_time_seconds", "Time spent in the admission queue",
+         _LATENCY),
+        ("prefill_time", "request_prefill_time_seconds", "Per choice: sent to the engine to "
+         "its first token (the engine's wait for a batch slot included)", _LATENCY),
+        ("decode_time", "request_decode_time_seconds", "Per choice: first token to last token",
+         _LATENCY),
+        ("inference_time", "request_inference_time_seconds", "Per choice: sent to the engine "
+         "to its last token", _LATENCY),
+        ("request_prompt_tokens", "request_prompt_tokens", "Prompt tokens of a request",
+         _TOKENS),
+        ("request_generation_tokens", "request_generation_tokens", "Tokens a request "
+         "generated (all its choices)", _TOKENS),
+        ("max_tokens_param", "request_params_max_tokens", "The max_tokens a request ran with",
+         _TOKENS),
+        ("n_param", "request_params_n", "The n of a request", _N),
+    )
+    return {attr: Histogram(f"xlaserve_{name}", doc, [MODEL], buckets=buckets, registry=r)
+            for attr, name, doc, buckets in specs}
+
+
+@dataclass(frozen=True)
+class ChoiceTimes:
+    """One engine request's times (time.monotonic() seconds) and its token count."""
+
+    submitted: float     # sent to its engine
+    first: float         # its first token arrived (0: none did)
+    last: float          # its last token arrived
+    tokens: int
+
+
 class Metrics:
     def __init__(self, engine_sources: Callable[[], Iterable[EngineSource]] = lambda: ()):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.ttft = Histogram("xlaserve_time_to_first_token_seconds",
-                              "Time from arrival to the first token", ["model"],
-                              buckets=_LATENCY, registry=r)
-        self.itl = Histogram("xlaserve_inter_token_latency_seconds",
-                             "Time between consecutive output events of a request", ["model"],
-                             buckets=_ITL, registry=r)
-        self.e2e = Histogram("xlaserve_e2e_request_latency_seconds",
-                             "Time from arrival to the last token", ["model"],
-                             buckets=_LATENCY, registry=r)
-        self.queue_time = Histogram("xlaserve_request_queue_time_seconds",
-                                    "Time spent in the admission queue", ["model"],
-                                    buckets=_LATENCY, registry=r)
-        self.requests = Counter("xlaserve_requests", "Finished requests",
-                                ["model", "finish_reason"], registry=r)
+        h = _histograms(r)
+        self.ttft, self.itl, self.tpot, self.e2e = h["ttft"], h["itl"], h["tpot"], h["e2e"]
+        self.queue_time, self.prefill_time = h["queue_time"], h["prefill_time"]
+        self.decode_time, self.inference_time = h["decode_time"], h["inference_time"]
+        self.request_prompt_tokens = h["request_prompt_tokens"]
+        self.request_generation_tokens = h["request_generation_tokens"]
+        self.max_tokens_param, self.n_param = h["max_tokens_param"], h["n_param"]
+        self.requests = Counter("xlaserve_request_success", "Finished engine requests (choices)"
+                                ", by finish reason", [MODEL, "finished_reason"], registry=r)
         self.http = Counter("xlaserve_http_responses", "HTTP responses by status",
                             ["endpoint", "status"], registry=r)
         self.rejections = Counter("xlaserve_rejections", "Requests refused, by reason",
                                   ["reason"], registry=r)
         self.prompt_tokens = Counter("xlaserve_prompt_tokens", "Prompt tokens processed",
-                                     ["model", "tenant"], registry=r)
+                                     [MODEL, "tenant"], registry=r)
         self.generation_tokens = Counter("xlaserve_generation_tokens", "Tokens generated",
-                                         ["model", "tenant"], registry=r)
+                                         [MODEL, "tenant"], registry=r)
         self.admission_running = Gauge("xlaserve_admission_running",
-                                       "Requests admitted to the engines", ["model"], registry=r)
+                                       "Requests admitted to the engines", [MODEL], registry=r)
         self.admission_waiting = Gauge("xlaserve_admission_waiting",
-                                       "Requests in the admission queue", ["model"], registry=r)
+                                       "Requests in the admission queue", [MODEL], registry=r)
         r.register(_EngineCollector(engine_sources))
+
+    def observe_choice(self, model: str, t: ChoiceTimes) -> None:
+        """The per-choice stage times of one finished engine request that produced a token."""
+        if not t.first:
+            return
+        self.prefill_time.labels(model).observe(t.first - t.submitted)
+        self.decode_time.labels(model).observe(t.last - t.first)
+        self.inference_time.labels(model).observe(t.last - t.submitted)
+        if t.tokens > 1:
+            self.tpot.labels(model).observe((t.last - t.first) / (t.tokens - 1))
+
+    def observe_request(self, model: str, prompt_tokens: int, generation_tokens: int,
+                        max_tokens: int, n: int) -> None:
+        self.request_prompt_tokens.labels(model).observe(prompt_tokens)
+        self.request_generation_tokens.labels(model).observe(generation_tokens)
+        self.max_tokens_param.labels(model).observe(max_tokens)
+        self.n_param.labels(model).observe(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

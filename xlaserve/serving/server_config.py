@@ -10,6 +10,7 @@ or JSON file (presets in `configs/`).  Defaults live here; a file names only wha
     [auto]              small, large, threshold_tokens   (the model "auto")
     [audit]             path, include_prompts
     [grpc]              tls_ca, tls_cert, tls_key, token_env   (how grpc:// replicas are dialled)
+    [tracing]           otlp_endpoint, service_name   (OpenTelemetry spans; off by default)
     [[models]]          name, version, default, path, engine, replicas, tiers, max_inflight,
                         max_queue, engine_args
 """
@@ -146,6 +147,21 @@ class AuditConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """`[tracing]`: where spans go.  "" (the default): nowhere, tracing is off."""
+
+    otlp_endpoint: str = ""          # e.g. http://127.0.0.1:4318/v1/traces (OTLP over HTTP)
+    service_name: str = "xlaserve"
+
+    def __post_init__(self) -> None:
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"[tracing] otlp_endpoint={self.otlp_endpoint!r}: expected an "
+                             "http(s):// URL of an OTLP/HTTP collector")
+        if not self.service_name:
+            raise ValueError("[tracing] service_name must not be empty")
+
+
+@dataclass(frozen=True)
 class GrpcClientConfig:
     """How the front end dials its grpc:// replicas (serving/grpc/auth.py draws the hop): over
     TLS trusting `tls_ca`, with a client certificate for workers that require one, and with
@@ -249,6 +265,7 @@ class ServerConfig:
     auto: AutoRouteConfig | None = None
     audit: AuditConfig = field(default_factory=AuditConfig)
     grpc: GrpcClientConfig = field(default_factory=GrpcClientConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     models: tuple[ServedModel, ...] = ()
 
     def __post_init__(self) -> None:
@@ -346,7 +363,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
 def config_from_dict(data: Mapping[str, Any]) -> ServerConfig:
     """Build a ServerConfig from the file layout in the module docstring."""
     known = {"server", "auth", "limits", "admission", "router", "auto", "audit", "grpc",
-             "models"}
+             "tracing", "models"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"config: unknown section(s) {unknown}; known: {sorted(known)}")
@@ -377,6 +394,8 @@ def config_from_dict(data: Mapping[str, Any]) -> ServerConfig:
         kw["audit"] = _build(AuditConfig, data["audit"], "[audit]")
     if "grpc" in data:
         kw["grpc"] = _build(GrpcClientConfig, data["grpc"], "[grpc]")
+    if "tracing" in data:
+        kw["tracing"] = _build(TracingConfig, data["tracing"], "[tracing]")
     kw["models"] = tuple(_build(ServedModel, m, f"[[models]] #{i}")
                          for i, m in enumerate(data.get("models", [])))
     return ServerConfig(**kw)

@@ -1,5 +1,5 @@
 """A gRPC worker serving a FakeEngine in its own thread and event loop, on 127.0.0.1 with a
-free port, with the credentials it is given (none by default)."""
+free port, with the credentials (none by default) and telemetry (none) it is given."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ from typing import Self
 from tests.serving.fake_engine import FakeEngine
 from xlaserve.serving.grpc.auth import WorkerAuth
 from xlaserve.serving.grpc.server import start_grpc_server
+from xlaserve.serving.telemetry import Telemetry
 
 
 class Worker:
-    def __init__(self, engine: FakeEngine, auth: WorkerAuth = WorkerAuth()):
+    def __init__(self, engine: FakeEngine, auth: WorkerAuth = WorkerAuth(),
+                 telemetry: Telemetry | None = None):
         self.engine = engine
         self.auth = auth
+        self.telemetry = telemetry
         self.port = 0
         self._started = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -29,7 +32,8 @@ class Worker:
     async def _main(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         server, self.port, watcher = await start_grpc_server({"fake": self.engine},
-                                                             "127.0.0.1:0", self.auth)
+                                                             "127.0.0.1:0", self.auth,
+                                                             self.telemetry)
         self._started.set()
         await self._stop.wait()
         watcher.cancel()

@@ -166,4 +166,4 @@ def test_remote_replicas_behind_http(make_server, tokenizer):
         assert wait_for(lambda: all(e.blocks_in_use == 0 and not e.running for e in engines), 3)
         assert sum(len(e.aborted) for e in engines) == 1
         m = httpx.get(srv.url + "/metrics").text
-        assert 'xlaserve_kv_cache_blocks_total{model="fake@1",replica="fake@1/1"} 4096.0' in m
+        assert 'xlaserve_kv_cache_blocks_total{engine="fake@1/1",model_name="fake@1"} 4096.0' in m

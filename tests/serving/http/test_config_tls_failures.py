@@ -196,8 +196,8 @@ def test_engine_exception_fails_only_that_request(make_server, tokenizer):
     adm = srv.state.router.groups[0].admission
     assert adm.running == 0 and srv.state.router.groups[0].replicas[0].inflight == 0
     m = httpx.get(srv.url + "/metrics").text
-    assert 'xlaserve_requests_total{finish_reason="error",model="fake@1"} 1.0' in m
-    assert 'xlaserve_time_to_first_token_seconds_count{model="fake@1"} 1.0' in m
+    assert 'xlaserve_request_success_total{finished_reason="error",model_name="fake@1"} 1.0' in m
+    assert 'xlaserve_time_to_first_token_seconds_count{model_name="fake@1"} 1.0' in m
 
 
 def test_serve_reports_a_distributed_type_error(tmp_path, capsys):

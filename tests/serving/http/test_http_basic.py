@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+
 from tests.serving.fake_engine import expected_ids, expected_output
 
 
@@ -109,7 +110,7 @@ def test_models_health_ready_metrics_page(make_server):
     for name in ("xlaserve_time_to_first_token_seconds_bucket", "xlaserve_e2e_request_latency",
                  "xlaserve_kv_cache_usage_perc", "xlaserve_num_requests_running",
                  "xlaserve_prefix_cache_hit_rate", "xlaserve_num_preemptions_total",
-                 'xlaserve_generation_tokens_total{model="fake@1",tenant="local"} 2.0'):
+                 'xlaserve_generation_tokens_total{model_name="fake@1",tenant="local"} 2.0'):
         assert name in m, name
     page = httpx.get(srv.url + "/")
     assert page.status_code == 200 and "/v1/chat/completions" in page.text

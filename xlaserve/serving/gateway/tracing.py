@@ -21,12 +21,15 @@ class TraceContext:
     request_id: str
     trace_id: str
     traceparent: str      # what we send back / on to the engine side
+    given: bool = False   # the client sent this traceparent (else it was made here)
 
     @classmethod
     def from_headers(cls, request_id: str | None, traceparent: str | None) -> TraceContext:
         given = traceparent.strip().lower() if traceparent else ""
         m = _TRACEPARENT.match(given)
-        if m and m.group(2) != "0" * 32 and m.group(3) != "0" * 16 and m.group(1) != "ff":
+        valid = bool(m) and m.group(2) != "0" * 32 and m.group(3) != "0" * 16 \
+            and m.group(1) != "ff"
+        if m and valid:
             trace_id, parent = m.group(2), given
         else:
             trace_id = secrets.token_hex(16)
@@ -34,4 +37,4 @@ class TraceContext:
         rid = request_id.strip() if request_id else ""
         if not _REQUEST_ID.match(rid):
             rid = "req-" + secrets.token_hex(12)
-        return cls(rid, trace_id, parent)
+        return cls(rid, trace_id, parent, valid)

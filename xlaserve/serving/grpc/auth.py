@@ -15,9 +15,12 @@ the caller:
                                                       a Generation call without it, or with
                                                       another, gets UNAUTHENTICATED
 
-The token lives in the environment only, never in a file; both sides name the variable.  The
-health service (grpc.health.v1) needs no token: probes seldom carry one and it says no more
-than SERVING / NOT_SERVING (under mTLS it needs the client certificate like every call).
+The token lives in the environment only, never in a file; both sides name the variable.  Two
+services need no token (under mTLS they need the client certificate like every call): health
+(grpc.health.v1), since probes seldom carry one and it says no more than SERVING /
+NOT_SERVING, and server reflection (grpc.reflection.v1alpha), so that `grpcurl list` works,
+since it tells only the service schema that xlaserve.proto publishes anyway.  Every
+Generation method needs the token.
 
 Where a worker may listen: one that authenticates nobody (no token, no client CA) binds
 loopback only, and one bound beyond loopback also serves TLS, so that its token never crosses
@@ -43,7 +46,10 @@ from xlaserve.serving.server_config import GrpcClientConfig, is_loopback, target
 
 DEFAULT_TOKEN_ENV = "XLASERVE_GRPC_TOKEN"
 MIN_TOKEN_CHARS = 16
-OPEN_SERVICE = "/grpc.health.v1.Health/"   # method prefix served without a token
+OPEN_SERVICES = (  # method prefixes served without a token
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+)
 _TOKEN_CHARS = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: a metadata value
 
 
@@ -155,7 +161,7 @@ def _check_tls_parts(cert: bool, key: bool, client_ca: bool) -> None:
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Answers UNAUTHENTICATED to every call but the health service's that does not carry
+    """Answers UNAUTHENTICATED to every call but health's and reflection's that does not carry
     `authorization: Bearer <token>` (compared in constant time)."""
 
     def __init__(self, token: str):
@@ -166,7 +172,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
                                          Awaitable[grpc.RpcMethodHandler]],
             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if (handler is None or details.method.startswith(OPEN_SERVICE)
+        if (handler is None or details.method.startswith(OPEN_SERVICES)
                 or self._carries_token(details.invocation_metadata)):
             return handler
         return _refusing(handler)

@@ -28,6 +28,7 @@ from xlaserve.serving.grpc.convert import (
     request_to_pb,
     stats_from_pb,
 )
+from xlaserve.serving.telemetry import Telemetry
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.serving.types import EngineEvent, GenerationRequest
 
@@ -110,7 +111,10 @@ class RemoteEngine:
         if self._stub is None:
             await self.start()
         assert self._stub is not None
-        call = self._stub.Generate(request_to_pb(request, self.model_name))
+        # the caller's current span (the front end's engine span) rides along: the worker's
+        # span joins the request's trace (telemetry.py)
+        call = self._stub.Generate(request_to_pb(request, self.model_name),
+                                   metadata=Telemetry.inject([]))
         finished = False
         try:
             async for m in call:

@@ -1,5 +1,7 @@
 """The gRPC front end: `Generation` (Generate / Abort / ListModels / GetStats) over one or more
-engines, plus the standard grpc.health.v1 service (SERVING once every engine is ready).
+engines, plus the standard grpc.health.v1 service (SERVING once every engine is ready) and
+server reflection (grpc.reflection.v1alpha: `grpcurl -plaintext HOST:PORT list` lists the
+three; health and reflection need no token, see auth.py).
 
 Generate streams the engine's events; if the client cancels the call or its deadline passes,
 grpc cancels the handler and the `finally` aborts the engine request, freeing its blocks.  A
@@ -23,11 +25,14 @@ import contextlib
 import secrets
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
 
 from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
@@ -40,17 +45,21 @@ from xlaserve.serving.server_config import (
     target_host,
     with_model_overrides,
 )
+from xlaserve.serving.telemetry import Telemetry
 from xlaserve.serving.types import EngineEvent, GenerationRequest
 
-SERVICE = "xlaserve.v1.Generation"
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name   # "xlaserve.v1.Generation"
+SERVICES = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME)   # what reflection lists
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engines: Mapping[str, AsyncEngine]):
+    def __init__(self, engines: Mapping[str, AsyncEngine], telemetry: Telemetry | None = None):
         if not engines:
             raise ValueError("GenerationServicer needs at least one engine")
         self.engines = dict(engines)
         self.inflight: set[str] = set()
+        self.telemetry = telemetry or Telemetry()
 
     async def _engine(self, name: str, context: grpc.aio.ServicerContext) -> AsyncEngine:
         if not name and len(self.engines) == 1:
@@ -85,15 +94,26 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.inflight.add(rid)
         finished = False
         loop = asyncio.get_running_loop()
+        times = StreamTimes(time.monotonic())
+        span = self.telemetry.server_span("/" + SERVICE + "/Generate",
+                                          context.invocation_metadata(), {
+                                              "xlaserve.engine_request_id": rid,
+                                              "xlaserve.prompt_tokens": len(ids)})
         stream = engine.submit(GenerationRequest(rid, ids, sampling, tier, request.priority,
                                                  request.tenant, None, loop.time()))
         try:
             async for ev in stream:
+                times.saw(ev)
                 yield event_to_pb(ev)
                 if ev.finished:
                     finished = True
                     break
         finally:
+            self.telemetry.stages(span, times.submitted, times.first, times.last)
+            failed = "cancelled" if not finished else times.error
+            self.telemetry.end(span, times.last or None, failed,
+                               {"xlaserve.finish_reason": times.finish_reason or "cancelled",
+                                "gen_ai.usage.output_tokens": times.tokens})
             # a task of its own: a second cancellation of this handler cannot leave the id
             # reserved for good
             end = asyncio.ensure_future(self._end(engine, rid, stream, finished))
@@ -135,6 +155,26 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return stats_to_pb(e.stats(), e.service_costs(), e.ready)
 
 
+@dataclass
+class StreamTimes:
+    """When a Generate stream's events came (time.monotonic()), for its spans."""
+
+    submitted: float
+    first: float = 0.0
+    last: float = 0.0
+    tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def saw(self, ev: EngineEvent) -> None:
+        if ev.token_ids:
+            self.last = time.monotonic()
+            self.first = self.first or self.last
+            self.tokens += len(ev.token_ids)
+        self.finish_reason = ev.finish_reason or self.finish_reason
+        self.error = ev.error or self.error
+
+
 async def _watch_health(health: HealthServicer, engines: Mapping[str, AsyncEngine]) -> None:
     last = None
     while True:
@@ -149,16 +189,18 @@ async def _watch_health(health: HealthServicer, engines: Mapping[str, AsyncEngin
 
 
 async def start_grpc_server(engines: Mapping[str, AsyncEngine], address: str,
-                            auth: WorkerAuth = WorkerAuth()
+                            auth: WorkerAuth = WorkerAuth(), telemetry: Telemetry | None = None
                             ) -> tuple[grpc.aio.Server, int, asyncio.Task[None]]:
     """Start serving on `address` ("host:port", port 0 = any) with `auth`'s credentials (the
-    default: none, loopback only); returns (server, port, health watcher task).  Call
-    `server.stop(grace)` and cancel the task to shut down."""
+    default: none, loopback only), spans to `telemetry` (default: none); returns (server,
+    port, health watcher task).  Call `server.stop(grace)` and cancel the task to shut
+    down."""
     auth.check_bind(target_host(address))
     server = grpc.aio.server(interceptors=auth.interceptors())
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engines), server)
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engines, telemetry), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(SERVICES, server)
     port = auth.add_port(server, address)
     if port == 0:
         raise ValueError(f"gRPC: could not bind {address!r}")
@@ -168,17 +210,20 @@ async def start_grpc_server(engines: Mapping[str, AsyncEngine], address: str,
 
 
 async def serve_grpc(engines: Mapping[str, AsyncEngine], address: str,
-                     shutdown: asyncio.Event, auth: WorkerAuth = WorkerAuth()) -> None:
+                     shutdown: asyncio.Event, auth: WorkerAuth = WorkerAuth(),
+                     telemetry: Telemetry | None = None) -> None:
     for e in engines.values():
         start = getattr(e, "start", None)
         if start is not None:
             await start()
-    server, _, watcher = await start_grpc_server(engines, address, auth)
+    server, _, watcher = await start_grpc_server(engines, address, auth, telemetry)
     try:
         await shutdown.wait()
     finally:
         watcher.cancel()
         await server.stop(5)
+        if telemetry is not None:
+            telemetry.shutdown()
 
 
 def _parse_worker_args(argv: list[str] | None) -> argparse.Namespace:
@@ -238,7 +283,8 @@ async def _serve_worker(args: argparse.Namespace, auth: WorkerAuth) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, shutdown.set)
-    await serve_grpc({m.name: engine}, f"{args.host}:{args.port}", shutdown, auth)
+    await serve_grpc({m.name: engine}, f"{args.host}:{args.port}", shutdown, auth,
+                     Telemetry.from_config(config.tracing))
 
 
 def worker_main(argv: list[str] | None = None) -> int:

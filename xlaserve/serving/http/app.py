@@ -52,7 +52,10 @@ def serving_state() -> ServingState:
 
 
 async def generation(kind: str) -> Response:
-    return await generate(serving_state(), kind, request, g.trace, g.extra_headers)
+    state = serving_state()
+    span = state.telemetry.request_span(g.trace, request.method, request.path)
+    g.trace = state.telemetry.adopt(g.trace, span)   # a trace begun here: its ids everywhere
+    return await generate(state, kind, request, g.trace, g.extra_headers, span)
 
 
 async def models() -> Response:
@@ -102,6 +105,7 @@ async def start_engines() -> None:
 
 async def stop_engines() -> None:
     await call_engines("stop")
+    serving_state().telemetry.shutdown()   # flush the spans still batched
 
 
 async def call_engines(method: str) -> None:

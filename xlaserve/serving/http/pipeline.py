@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from opentelemetry.trace import INVALID_SPAN, Span
 from quart import Request, Response
 from werkzeug.exceptions import HTTPException
 
@@ -31,28 +32,37 @@ ROUTED_HEADER = "x-xlaserve-routed-model"
 
 
 async def generate(state: ServingState, kind: str, request: Request, trace: TraceContext,
-                   headers: dict[str, str]) -> Response:
-    """One `kind` ("chat" | "completion") request, stage by stage; `headers` collects what the
-    response adds (x-ratelimit-*, the model "auto" routed to)."""
-    with Intake(state, trace, request.path) as intake:
-        refuse_if_draining(state)
-        principal = intake.principal = authenticate(state, request.headers.get("Authorization"))
-        headers.update(check_rate(state, principal))
-        body = decode_body(await read_body(state, request))
-        intake.model = body.get("model") if isinstance(body.get("model"), str) else None
-        parsed = parse(kind, body, state.config.max_n)
-        group, prompts = route(state, parsed, principal)
-        intake.model = group.id
-        sampling = sampling_params(parsed, group, prompts)
-        reservation = intake.reservation = reserve(state, principal, prompts, parsed.n,
-                                                   sampling.max_tokens)
-        ticket = await admit(state, group, principal, parsed, prompts, sampling.max_tokens)
+                   headers: dict[str, str], span: Span = INVALID_SPAN) -> Response:
+    """One `kind` ("chat" | "completion") request, stage by stage, each a child span of the
+    request's `span` (telemetry.py); `headers` collects what the response adds
+    (x-ratelimit-*, the model "auto" routed to)."""
+    tel = state.telemetry
+    with Intake(state, trace, request.path, span=span) as intake:
+        with tel.stage(span, "gateway"):
+            refuse_if_draining(state)
+            principal = intake.principal = authenticate(state,
+                                                        request.headers.get("Authorization"))
+            headers.update(check_rate(state, principal))
+            body = decode_body(await read_body(state, request))
+            intake.model = body.get("model") if isinstance(body.get("model"), str) else None
+            parsed = parse(kind, body, state.config.max_n)
+        with tel.stage(span, "router") as s:
+            group, prompts = route(state, parsed, principal)
+            intake.model = group.id
+            sampling = sampling_params(parsed, group, prompts)
+            s.set_attributes({"xlaserve.model": group.id, "xlaserve.tenant": principal.tenant,
+                              "xlaserve.prompt_tokens": sum(len(p) for p in prompts)})
+        with tel.stage(span, "admission") as s:
+            reservation = intake.reservation = reserve(state, principal, prompts, parsed.n,
+                                                       sampling.max_tokens)
+            ticket = await admit(state, group, principal, parsed, prompts, sampling.max_tokens)
+            s.set_attribute("xlaserve.queue_time_s", ticket.queue_time)
     if parsed.model == "auto":
         headers[ROUTED_HEADER] = group.id
     gen = start_generation(state, Admitted(
         trace=trace, endpoint=request.path, arrived=intake.arrived, principal=principal,
         parsed=parsed, group=group, prompts=prompts, sampling=sampling,
-        reservation=reservation, ticket=ticket))
+        reservation=reservation, ticket=ticket, span=span))
     return await render(gen)
 
 
@@ -68,6 +78,7 @@ class Intake:
     principal: Principal | None = None
     model: str | None = None              # as the body names it, then the group it resolved to
     reservation: Reservation | None = None
+    span: Span = INVALID_SPAN             # the request's span, ended here if it fails
 
     def __enter__(self) -> Intake:
         return self
@@ -86,6 +97,8 @@ class Intake:
         st = self.state
         if self.reservation is not None:
             st.limiter.settle(self.reservation, 0)
+        st.telemetry.end(self.span, error=code or f"HTTP {status}", attributes={
+            "http.response.status_code": status})
         if st.audit is not None:
             st.audit.write({**audit_record(
                 self.trace, self.principal, self.model, self.endpoint, status, Usage(0, 0),
@@ -241,7 +254,7 @@ def start_generation(state: ServingState, admitted: Admitted) -> Generation:
     except BaseException as e:
         admitted.group.admission.release(admitted.ticket)
         Intake(state, admitted.trace, admitted.endpoint, admitted.arrived, admitted.principal,
-               admitted.group.id, admitted.reservation).fail(*ended_by(e))
+               admitted.group.id, admitted.reservation, admitted.span).fail(*ended_by(e))
         raise
     task = asyncio.current_task()
     if task is not None:

@@ -26,15 +26,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry import context, trace
+from opentelemetry.trace import INVALID_SPAN, Span
+
 from xlaserve.serving.admission import Ticket
 from xlaserve.serving.gateway.audit import AuditLog
 from xlaserve.serving.gateway.auth import Authenticator, Principal
 from xlaserve.serving.gateway.ratelimit import RateLimiter, Reservation
 from xlaserve.serving.gateway.tracing import TraceContext
 from xlaserve.serving.http.protocol import ParsedRequest
-from xlaserve.serving.metrics import EngineSource, Metrics
+from xlaserve.serving.metrics import ChoiceTimes, EngineSource, Metrics
 from xlaserve.serving.router import ModelGroup, Replica, Router
 from xlaserve.serving.server_config import ServerConfig
+from xlaserve.serving.telemetry import Telemetry
 from xlaserve.serving.types import EngineEvent, GenerationRequest, SamplingParams, Usage
 
 
@@ -47,6 +51,7 @@ class ServingState:
         self.audit = AuditLog(config.audit.path, config.audit.include_prompts) \
             if config.audit.path else None
         self.metrics = Metrics(self._engine_sources)
+        self.telemetry = Telemetry.from_config(config.tracing)
         self.engine_ids: set[str] = set()          # engine request ids in flight
         self.generations: set[Generation] = set()  # not closed yet
         self.draining = False
@@ -108,6 +113,7 @@ class Admitted:
     sampling: SamplingParams      # max_tokens resolved against the context length
     reservation: Reservation      # prompt + n x max_tokens tokens held from the tenant's limits
     ticket: Ticket                # its len(prompts) x n admission slots
+    span: Span = INVALID_SPAN     # its request span (telemetry.py), ended by Generation.close
 
     def audit_extra(self, include_prompts: bool) -> dict[str, Any]:
         """What its audit line adds: the client's `user`, and the prompt if the log keeps it."""
@@ -129,6 +135,8 @@ class Choice:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    submitted_at: float = 0.0   # time.monotonic() when sent to its (last) engine
+    span: Span | None = None    # its engine span, from its first submit
     first_at: float = 0.0
     last_at: float = 0.0
 
@@ -181,12 +189,16 @@ class Generation:
             moves = len(self.group.replicas) - 1
             while True:
                 sent = False
+                c.submitted_at = time.monotonic()
+                self._engine_span(c)
                 events = c.replica.engine.submit(c.request)
                 try:
                     async for ev in events:
                         if (ev.finish_reason == "error" and not sent and moves > 0
                                 and self._fail_over(c)):
                             moves -= 1
+                            assert c.span is not None
+                            c.span.add_event("failover", {"error": ev.error or ""})
                             break  # nothing reached the client yet: run it elsewhere
                         sent = sent or bool(ev.token_ids or ev.text)
                         await self._queue.put((c.index, ev))
@@ -206,6 +218,31 @@ class Generation:
         except Exception as e:  # noqa: BLE001 (an engine failure fails this choice, not the server)
             await self._queue.put((c.index, EngineEvent(
                 c.request.request_id, finish_reason="error", error=f"{type(e).__name__}: {e}")))
+
+    def _engine_span(self, c: Choice) -> None:
+        """Start `c`'s engine span (on its first submit) and make it current in this task,
+        so that a gRPC replica's call carries it to the worker."""
+        if c.span is None:
+            c.span = self.state.telemetry.child(self.admitted.span, "engine", c.submitted_at, {
+                "xlaserve.engine_request_id": c.request.request_id,
+                "xlaserve.prompt_tokens": len(c.request.prompt_token_ids),
+                "gen_ai.request.max_tokens": c.request.sampling.max_tokens})
+        c.span.set_attribute("xlaserve.replica", c.replica.name)
+        context.attach(trace.set_span_in_context(c.span))   # this task's context only
+
+    def _end_spans(self, usage: Usage) -> None:
+        tel, end = self.state.telemetry, time.monotonic()
+        for c in self.choices:
+            if c.span is None:
+                continue
+            tel.stages(c.span, c.submitted_at, c.first_at, c.last_at)
+            tel.end(c.span, c.last_at or end, c.error, {
+                "xlaserve.finish_reason": c.finish_reason or "abort",
+                "gen_ai.usage.output_tokens": len(c.token_ids)})
+        tel.end(self.admitted.span, end, f"HTTP {self.status}" if self.status >= 500 else None,
+                {"http.response.status_code": self.status,
+                 "gen_ai.usage.input_tokens": usage.prompt_tokens,
+                 "gen_ai.usage.output_tokens": usage.completion_tokens})
 
     def _fail_over(self, c: Choice) -> bool:
         """`c`'s replica failed it before any token and is now marked down (a remote worker
@@ -300,15 +337,20 @@ class Generation:
                 grp.remember(c.replica, [*c.request.prompt_token_ids, *c.token_ids],
                              a.principal.tenant)
             st.metrics.requests.labels(grp.id, c.finish_reason or "abort").inc()
+            st.metrics.observe_choice(grp.id, ChoiceTimes(c.submitted_at, c.first_at,
+                                                          c.last_at, len(c.token_ids)))
         grp.admission.release(a.ticket)
         st.update_admission_gauges()
         st.generations.discard(self)
         u = self.usage()
+        self._end_spans(u)
         latency = time.monotonic() - a.arrived
         st.metrics.e2e.labels(grp.id).observe(latency)
         st.metrics.queue_time.labels(grp.id).observe(a.ticket.queue_time)
         st.metrics.prompt_tokens.labels(grp.id, a.principal.tenant).inc(u.prompt_tokens)
         st.metrics.generation_tokens.labels(grp.id, a.principal.tenant).inc(u.completion_tokens)
+        st.metrics.observe_request(grp.id, u.prompt_tokens, u.completion_tokens,
+                                   a.sampling.max_tokens, a.parsed.n)
         if st.audit is not None:
             st.audit.write({
                 **audit_record(a.trace, a.principal, grp.id, a.endpoint, self.status, u, latency),
