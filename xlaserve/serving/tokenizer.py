@@ -97,6 +97,11 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def to_json(self) -> str | None:
+        """The `tokenizers` JSON of a BPE vocabulary (what grammar engines read); None for
+        sentencepiece."""
+        return self._backend.to_str() if self.kind == "bpe" else None
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (what OpenAI's logprob `bytes` carry): a
         byte-level token holding part of a character gives those bytes, not U+FFFD."""
