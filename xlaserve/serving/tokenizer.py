@@ -127,15 +127,26 @@ class Tokenizer:
 
     # -- chat ------------------------------------------------------------------------------
 
+    @property
+    def template_takes_tools(self) -> bool:
+        """Does the chat template render a `tools` list itself (else the caller describes the
+        tools in a system message: http/tools.py)?"""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        extra = {"tools": tools} if tools else {}
         return _render_chat(self.chat_template, messages, add_generation_prompt,
-                            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                            **extra)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=True)
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, tools=tools),
+                           add_special_tokens=True)
 
 
 def _make_byte_decoder() -> dict[str, int]:

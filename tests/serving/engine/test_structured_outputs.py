@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import json
 import re
-
 from typing import Literal
 
 import numpy as np
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.serving.engine.conftest import (collect, new_engine, new_tiny_engine, request,
-                                           text_of, tokens_of)
+from tests.serving.engine.conftest import (
+    collect,
+    new_engine,
+    new_tiny_engine,
+    request,
+    text_of,
+    tokens_of,
+)
 from xlaserve.serving.runner.compile_counter import CompileCounter
 from xlaserve.serving.runner.token_mask import all_allowed, mask_as_bias, unpack
 from xlaserve.serving.structured.constraint import Constraint
 from xlaserve.serving.structured.grammar import GrammarError
-
 
 
 class Person(BaseModel):

@@ -36,8 +36,8 @@ from xlaserve.serving.engine.config import EngineConfig
 from xlaserve.serving.engine.request_state import OutputState
 from xlaserve.serving.engine.service_costs import CostMeter
 from xlaserve.serving.runner.runner import CallResult, ModelRunner, RowInput, RowSampling
-from xlaserve.serving.scheduler import Scheduler
 from xlaserve.serving.runner.token_mask import all_allowed
+from xlaserve.serving.scheduler import Scheduler
 from xlaserve.serving.scheduler.step_plan import ScheduledSeq, StepPlan
 from xlaserve.serving.structured.grammar import GrammarCompiler
 from xlaserve.serving.tokenizer import Tokenizer

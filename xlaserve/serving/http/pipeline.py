@@ -24,7 +24,9 @@ from xlaserve.serving.gateway.tracing import TraceContext
 from xlaserve.serving.http.protocol import ApiError, ParsedRequest, decode_body, parse
 from xlaserve.serving.http.render import ended_by, render, shutting_down
 from xlaserve.serving.http.state import Admitted, Generation, ServingState, audit_record
+from xlaserve.serving.http.tools import render_messages
 from xlaserve.serving.router import ModelGroup, RoutingError
+from xlaserve.serving.structured.grammar import GrammarError
 from xlaserve.serving.types import SamplingParams, Usage
 
 ROUTED_HEADER = "x-xlaserve-routed-model"
@@ -155,7 +157,9 @@ def tokenize(parsed: ParsedRequest, group: ModelGroup) -> list[list[int]]:
     tok = group.tokenizer
     if parsed.kind == "chat":
         try:
-            return [tok.encode_chat(parsed.messages)]
+            messages, tools = render_messages(parsed.messages, parsed.tools,
+                                              tok.template_takes_tools)
+            return [tok.encode_chat(messages, tools)]
         except Exception as e:  # noqa: BLE001 (any template error, raise_exception too)
             raise ApiError(400, f"could not apply the chat template: {e}", "messages",
                            "invalid_value") from None
@@ -197,11 +201,26 @@ def sampling_params(parsed: ParsedRequest, group: ModelGroup, prompts: list[list
                             f"prompt has {longest})", name, "context_length_exceeded")
     else:
         max_tokens = parsed.max_tokens
+    check_constraint(parsed, group)
     try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=parsed.logprobs, **parsed.sampling)
+        return SamplingParams(max_tokens=max_tokens, logprobs=parsed.logprobs,
+                              constraint=parsed.constraint, **parsed.sampling)
     except ValueError as e:
         param = str(e).split("=", 1)[0] if "=" in str(e) else None
         raise ApiError(400, str(e), param, "invalid_value") from None
+
+
+def check_constraint(parsed: ParsedRequest, group: ModelGroup) -> None:
+    """A constraint that does not compile for the group's tokenizer (bad schema, regex or
+    grammar, or over the grammar engine's bounds) is a 400 naming its field, before anything
+    is queued (engines compile it again, per choice: well under a millisecond)."""
+    if parsed.constraint is None:
+        return
+    try:
+        group.grammars.start(parsed.constraint)
+    except GrammarError as e:
+        raise ApiError(400, f"Invalid value for '{parsed.constraint_param}': {e}",
+                       parsed.constraint_param, "invalid_grammar") from None
 
 
 def reserve(state: ServingState, principal: Principal, prompts: list[list[int]], n: int,

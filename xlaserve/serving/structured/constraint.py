@@ -16,7 +16,8 @@ MAX_SPEC_CHARS = 64 * 1024   # a schema / regex / grammar longer than this is re
 class Constraint:
     """`kind`: json (spec: a JSON schema as JSON text, "" = any JSON object), regex (a
     regular expression the whole output matches), choice (a JSON list of the allowed
-    strings), lark (a context-free grammar in llguidance's Lark dialect)."""
+    strings), lark (a context-free grammar in llguidance's Lark dialect, or GBNF: rules
+    written `name ::= ...`)."""
 
     kind: str
     spec: str = ""

@@ -84,6 +84,11 @@ class GrammarCompiler:
         if c.kind == "choice":
             options = json.loads(c.spec)
             return m.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+        if "::=" in c.spec:   # GBNF (llama.cpp's, vLLM's guided_grammar EBNF)
+            try:
+                return m.grammar_from_lark(llguidance.gbnf_to_lark(c.spec))
+            except Exception as e:  # noqa: BLE001 (the converter's own error types)
+                raise GrammarError(f"invalid GBNF grammar: {e}") from None
         return m.grammar_from_lark(c.spec)
 
     def start(self, c: Constraint) -> GrammarState:
