@@ -96,16 +96,20 @@ def _structured_outputs(v: Any) -> Constraint:
 
 
 def parse_constraint(body: dict[str, Any]) -> tuple[Constraint | None, str | None]:
-    """The request's constraint and the field that set it (None, None: unconstrained)."""
+    """The request's constraint and the field that holds it, as errors name it (None, None:
+    unconstrained)."""
     found: list[tuple[Constraint, str]] = []
     for name in GUIDED_FIELDS:
         v = body.get(name)
         if v is None:
             continue
+        param = name
         if name == "response_format":
             c = _response_format(v)
+            param = f"{name}.json_schema.schema" if v.get("type") == "json_schema" else name
         elif name == "structured_outputs":
             c = _structured_outputs(v)
+            param = f"{name}.{next(k for k in v if v[k] not in (None, False))}"
         elif name == "guided_json":
             c = _schema(v, name)
         elif name == "guided_choice":
@@ -113,7 +117,7 @@ def parse_constraint(body: dict[str, Any]) -> tuple[Constraint | None, str | Non
         else:
             c = _text(v, name, "regex" if name == "guided_regex" else "lark")
         if c is not None:
-            found.append((c, name))
+            found.append((c, param))
     if len(found) > 1:
         names = [n for _, n in found]
         raise ApiError(400, f"Only one output constraint per request; got {names}", names[1],
