@@ -174,45 +174,63 @@ class ToolCall:
 class ToolCallParser:
     """The text of one choice, fed as it streams -> content and tool calls.  `feed` returns
     the content safe to stream now and the calls completed; text that may still turn into a
-    call (a prefix of `<tool_call>`, an open call) is held back until it can be decided."""
+    call (a prefix of `<tool_call>`, an open call, an answer that opens with `{` and so may be
+    a bare Llama 3 call) is held back until it can be decided, so that any split of the text
+    into pieces gives the same content and calls."""
 
     id_prefix: str
     calls: list[ToolCall] = field(default_factory=list)
     _held: str = ""
+    _started: bool = False      # some content was emitted, or a tagged call seen: not bare
+    _after_call: bool = False   # newlines right after a call are not content
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._held += text
+        if not self._started:
+            head = self._held.lstrip()
+            if not head or head.startswith("{"):
+                return "", []          # wait: maybe the whole answer is one bare call
+            self._started = True
         content, done = "", []
         while True:
+            if self._after_call:
+                self._held = self._held.lstrip("\n")
+                if not self._held:
+                    return content, done
+                self._after_call = False
             start = self._held.find(OPEN)
             if start < 0:
-                keep = _prefix_len(self._held, OPEN)
-                cut = len(self._held) - keep
+                cut = len(self._held) - _prefix_len(self._held, OPEN)
                 content += self._held[:cut]
                 self._held = self._held[cut:]
                 return content, done
-            content += self._held[:start]
             end = self._held.find(CLOSE, start)
             if end < 0:
+                content += self._held[:start]
                 self._held = self._held[start:]
                 return content, done
             call = self._call(self._held[start + len(OPEN):end])
-            if call is None:   # not a well-formed call: it is text
-                content += self._held[:end + len(CLOSE)][start:]
-            else:
+            stop = end + len(CLOSE)
+            content += self._held[:start] if call else self._held[:stop]
+            if call is not None:
                 done.append(call)
-            self._held = self._held[end + len(CLOSE):].lstrip("\n") if call else \
-                self._held[end + len(CLOSE):]
+                self._after_call = True
+            self._held = self._held[stop:]
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """At the end: the held text, or (Llama 3 style) the whole answer as one bare JSON
-        call when no tagged call was made."""
-        rest, self._held = self._held, ""
-        if not self.calls and rest.strip().startswith("{"):
-            call = self._call(rest)
+        """At the end: the held text as content, or (Llama 3 style) the whole answer as one
+        bare JSON call."""
+        if not self._started:
+            self._started = True
+            call = self._call(self._held) if self._held.strip() else None
             if call is not None:
+                self._held = ""
                 return "", [call]
-        return rest, []
+            content, calls = self.feed("")
+        else:
+            content, calls = "", []
+        rest, self._held = self._held, ""
+        return content + rest, calls
 
     def _call(self, text: str) -> ToolCall | None:
         try:
