@@ -100,3 +100,21 @@ def test_smollm2_json_schema_is_valid(warm_engine, smollm2, pipelined) -> None:
     for i in range(4):
         assert out[f"r{i}"][-1].finish_reason == "stop", text_of(out[f"r{i}"])
         Person.model_validate_json(text_of(out[f"r{i}"]))
+
+
+def test_grammar_state_rolls_back(warm_tiny) -> None:
+    """Speculative decoding's hook: undone tokens give back the masks from before them."""
+    from xlaserve.serving.structured.grammar import GrammarCompiler, words
+
+    tok = warm_tiny.tokenizer
+    state = GrammarCompiler(tok, 49152).start(Constraint.choice(["12-ab", "34-cd"]))
+    before = np.zeros(words(49152), np.int32)
+    state.fill(before)
+    ids = tok.encode("12-ab", add_special_tokens=False)
+    assert all(state.accept(t) for t in ids) and state.done
+    state.rollback(len(ids))
+    again = np.zeros_like(before)
+    state.fill(again)
+    assert (again == before).all() and not state.done and state.accepted == 0
+    with pytest.raises(ValueError, match="cannot roll back 1 of 0"):
+        state.rollback(1)

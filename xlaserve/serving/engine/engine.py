@@ -30,6 +30,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import Params
 from xlaserve.serving.engine.config import EngineConfig
@@ -253,11 +255,11 @@ class LLMEngine:
         constrained = any(r.sample and r.request_id in self._outputs
                           and self._outputs[r.request_id].grammar is not None
                           for r in plan.rows)
-        launched.call = self.runner.run(
-            [self._row(r) for r in plan.rows],
-            (lambda: self._masks(plan)) if constrained else None)
+        rows = [self._row(r) for r in plan.rows]
+        launched.call = self.runner.run(rows, lambda: self._masks(plan)) if constrained \
+            else self.runner.run(rows)
 
-    def _masks(self, plan: StepPlan):  # -> np.ndarray [rows, ceil(V/32)] int32
+    def _masks(self, plan: StepPlan) -> np.ndarray:   # [rows, ceil(V/32)] int32
         """The allowed-token masks of `plan`'s rows, called by the runner once the plan's
         forward is launched: first every earlier step in flight is processed (its tokens
         advance the grammars), then each sampling constrained row gets its grammar's mask;

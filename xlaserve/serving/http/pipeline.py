@@ -46,6 +46,7 @@ async def generate(state: ServingState, kind: str, request: Request, trace: Trac
         group, prompts = route(state, parsed, principal)
         intake.model = group.id
         sampling = sampling_params(parsed, group, prompts)
+        await check_constraint(parsed, group)
         reservation = intake.reservation = reserve(state, principal, prompts, parsed.n,
                                                    sampling.max_tokens)
         ticket = await admit(state, group, principal, parsed, prompts, sampling.max_tokens)
@@ -201,7 +202,6 @@ def sampling_params(parsed: ParsedRequest, group: ModelGroup, prompts: list[list
                             f"prompt has {longest})", name, "context_length_exceeded")
     else:
         max_tokens = parsed.max_tokens
-    check_constraint(parsed, group)
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=parsed.logprobs,
                               constraint=parsed.constraint, **parsed.sampling)
@@ -210,14 +210,15 @@ def sampling_params(parsed: ParsedRequest, group: ModelGroup, prompts: list[list
         raise ApiError(400, str(e), param, "invalid_value") from None
 
 
-def check_constraint(parsed: ParsedRequest, group: ModelGroup) -> None:
+async def check_constraint(parsed: ParsedRequest, group: ModelGroup) -> None:
     """A constraint that does not compile for the group's tokenizer (bad schema, regex or
     grammar, or over the grammar engine's bounds) is a 400 naming its field, before anything
-    is queued (engines compile it again, per choice: well under a millisecond)."""
+    is queued (engines compile it again, per choice: typically under a millisecond).  The
+    compile runs on a worker thread (llguidance releases the GIL), not on the event loop."""
     if parsed.constraint is None:
         return
     try:
-        group.grammars.start(parsed.constraint)
+        await asyncio.to_thread(group.grammars.start, parsed.constraint)
     except GrammarError as e:
         raise ApiError(400, f"Invalid value for '{parsed.constraint_param}': {e}",
                        parsed.constraint_param, "invalid_grammar") from None
