@@ -130,28 +130,6 @@ def stream_response(gen: Generation) -> Response:
                     "logprobs": lp, "finish_reason": fr}
         return {"index": c.index, "text": ev.text, "logprobs": lp, "finish_reason": fr}
 
-    def tool_pieces(c: Choice, ev: EngineEvent, parser: ToolCallParser) -> list[dict[str, Any]]:
-        """A tool-using choice's event as chunks: content deltas, and per completed call its
-        id and name, then its arguments (OpenAI's delta.tool_calls, by call index)."""
-        content, calls = parser.feed(ev.text)
-        if ev.finished:
-            rest, more = parser.finish()
-            content, calls = content + rest, calls + more
-        base = piece(c, ev)
-        fr = base["finish_reason"]
-        base.update(delta={"content": content} if content else {}, finish_reason=None)
-        out = [base] if content or ev.logprobs else []
-        for k in calls:
-            out.append({"index": c.index, "logprobs": None, "finish_reason": None, "delta": {
-                "tool_calls": [{"index": k.index, "id": k.id, "type": "function",
-                                "function": {"name": k.name, "arguments": ""}}]}})
-            out.append({"index": c.index, "logprobs": None, "finish_reason": None, "delta": {
-                "tool_calls": [{"index": k.index, "function": {"arguments": k.arguments}}]}})
-        if fr is not None:
-            out.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason":
-                        "tool_calls" if parser.calls and fr == "stop" else fr})
-        return out
-
     async def sse() -> AsyncIterator[str]:
         try:
             if chat:
@@ -162,7 +140,7 @@ def stream_response(gen: Generation) -> Response:
                     continue  # reported once, below, after every choice ended
                 parser = parsers[c.index]
                 if parser is not None:
-                    for p in tool_pieces(c, ev, parser):
+                    for p in tool_chunks(piece(c, ev), ev, parser):
                         yield chunk([p])
                 elif ev.text or ev.finished or ev.logprobs:
                     yield chunk([piece(c, ev)])
@@ -182,6 +160,31 @@ def stream_response(gen: Generation) -> Response:
     response = Response(sse(), mimetype="text/event-stream", headers=headers)
     response.timeout = None  # a long generation is not a stuck response
     return response
+
+
+def tool_chunks(base: dict[str, Any], ev: EngineEvent, parser: ToolCallParser
+                ) -> list[dict[str, Any]]:
+    """A tool-using choice's event (`base`: its plain chunk choice) as chunk choices: the
+    content the parser lets through, per completed call its id and name then its arguments
+    (OpenAI's delta.tool_calls, by call index), and the finish reason last (`tool_calls` for
+    a choice that made calls and stopped)."""
+    content, calls = parser.feed(ev.text)
+    if ev.finished:
+        rest, more = parser.finish()
+        content, calls = content + rest, calls + more
+    i, fr = base["index"], base["finish_reason"]
+    base.update(delta={"content": content} if content else {}, finish_reason=None)
+    out = [base] if content or ev.logprobs else []
+    for k in calls:
+        out.append({"index": i, "logprobs": None, "finish_reason": None, "delta": {
+            "tool_calls": [{"index": k.index, "id": k.id, "type": "function",
+                            "function": {"name": k.name, "arguments": ""}}]}})
+        out.append({"index": i, "logprobs": None, "finish_reason": None, "delta": {
+            "tool_calls": [{"index": k.index, "function": {"arguments": k.arguments}}]}})
+    if fr is not None:
+        out.append({"index": i, "delta": {}, "logprobs": None,
+                    "finish_reason": "tool_calls" if parser.calls and fr == "stop" else fr})
+    return out
 
 
 def tool_parser(gen: Generation, c: Choice) -> ToolCallParser | None:
