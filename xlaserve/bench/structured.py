@@ -3,6 +3,11 @@ with every other request under a JSON schema, alternately in one process, on one
 runner; output tokens/s per run (medians) and compiles during the constrained runs.
 
     python -m xlaserve.bench.structured --model MODEL_DIR [--requests 32] [--repeat 3]
+    python -m xlaserve.bench.structured --sampler [--repeat 50]
+
+`--sampler` times the compiled sampler alone on [32, 49152] random logits, interleaved: without
+a mask argument (the sampler before structured outputs), with an all-set mask (what every step
+without constrained rows now pays) and with half the rows constrained.
 
 Both runs do the same work: every request generates exactly its workload length (EOS ignored),
 and the schema (an array of at least MIN_ITEMS integers) cannot be complete before that, so a
@@ -49,12 +54,56 @@ def run(model: LoadedModel, engine: LLMEngine, workload: Workload, constrained: 
     return took, tokens, compiles.count
 
 
+def sampler_costs(repeat: int, rows: int = 32, vocab: int = 49152) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from xlaserve.serving.runner.sampling import SamplingArrays, sample
+    from xlaserve.serving.runner.token_mask import all_allowed
+
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((rows, vocab), np.float32))
+    half = all_allowed(rows, vocab)
+    half[::2] = 0
+    half[::2, :4] = -1                       # the even rows may take 128 tokens
+    plain = jax.jit(lambda z, s: sample(z, s))
+    masked = jax.jit(lambda z, s, m: sample(z, s, m))
+    free, half_j = jnp.asarray(all_allowed(rows, vocab)), jnp.asarray(half)
+    for temperature in (0.0, 1.0):
+        s = SamplingArrays(jnp.full(rows, temperature, jnp.float32), jnp.zeros(rows, jnp.int32),
+                           jnp.ones(rows, jnp.float32), jnp.zeros(rows, jnp.float32),
+                           jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32),
+                           jnp.zeros((rows, vocab), jnp.float32), jnp.zeros(rows, jnp.bool_))
+        cases = {"no mask argument": lambda: plain(logits, s),
+                 "all-set mask": lambda: masked(logits, s, free),
+                 "half the rows constrained": lambda: masked(logits, s, half_j)}
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        for f in cases.values():
+            jax.block_until_ready(f())
+        for _ in range(repeat):
+            for k, f in cases.items():
+                start = time.perf_counter()
+                jax.block_until_ready(f())
+                times[k].append(time.perf_counter() - start)
+        base = statistics.median(times["no mask argument"])
+        for k, v in times.items():
+            m = statistics.median(v)
+            print(f"temperature {temperature:g}, {rows} rows: {k:26s} median {1e3 * m:6.2f} ms"
+                  f"  ratio {m / base:.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--sampler", action="store_true")
     args = p.parse_args(argv)
+    if args.sampler:
+        sampler_costs(args.repeat)
+        return 0
+    if not args.model:
+        p.error("--model is required (unless --sampler)")
     model = load_model(args.model)
     spec = WORKLOADS["mixed"]
     workload = spec.build(model.tokenizer, 0, args.requests)
