@@ -58,11 +58,13 @@ class HostTime:
     launch: float = 0.0       # rows -> flat batch -> device arrays -> the compiled call
     process: float = 0.0      # tokens -> detokenize, stop checks, events (after the wait)
     wait: float = 0.0         # blocked in fetch: the device had not finished the step
+    masks: float = 0.0        # constrained rows' allowed-token masks (grammars on the host)
+    nested: float = 0.0       # of `launch`: the steps processed inside it, before the masks
 
     def per_step_ms(self) -> dict[str, float]:
         n = max(self.steps, 1)
         return {k: 1e3 * getattr(self, k) / n for k in ("schedule", "launch", "process",
-                                                        "wait")}
+                                                        "wait", "masks")}
 
 
 @dataclass
@@ -200,7 +202,8 @@ class LLMEngine:
             self._launch(launched)
             self.num_steps += 1
             self.host_time.steps += 1
-            self.host_time.launch += time.perf_counter() - t1
+            nested, self.host_time.nested = self.host_time.nested, 0.0
+            self.host_time.launch += time.perf_counter() - t1 - nested
         keep = 1 if (self.config.pipelined and not plan.is_empty) else 0
         while len(self._calls) > keep:
             self._process_oldest()
@@ -264,13 +267,17 @@ class LLMEngine:
         forward is launched: first every earlier step in flight is processed (its tokens
         advance the grammars), then each sampling constrained row gets its grammar's mask;
         the other rows (and requests that ended meanwhile) allow everything."""
+        t0 = time.perf_counter()
         while self.scheduler.in_flight[0].step_id != plan.step_id:
             self._process_oldest()
+        t1 = time.perf_counter()
         masks = all_allowed(len(plan.rows), self.model_config.vocab_size)
         for i, row in enumerate(plan.rows):
             state = self._outputs.get(row.request_id)
             if row.sample and state is not None and state.grammar is not None:
                 state.grammar.fill(masks[i])
+        self.host_time.masks += time.perf_counter() - t1
+        self.host_time.nested += time.perf_counter() - t0   # not launch time
         return masks
 
     def _process_oldest(self) -> None:
