@@ -360,6 +360,7 @@ def parse_completion(body: dict[str, Any], max_n: int) -> ParsedRequest:
 
 def parse(kind: str, body: dict[str, Any], max_n: int) -> ParsedRequest:
     """A decoded body validated for `kind` ("chat" | "completion")."""
+    # imported here: both modules raise this module's ApiError
     from xlaserve.serving.http.structured import parse_constraint
     from xlaserve.serving.http.tools import parse_tools, tool_constraint
 
