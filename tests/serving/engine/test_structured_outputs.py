@@ -118,3 +118,34 @@ def test_grammar_state_rolls_back(warm_tiny) -> None:
     assert (again == before).all() and not state.done and state.accepted == 0
     with pytest.raises(ValueError, match="cannot roll back 1 of 0"):
         state.rollback(1)
+
+
+class _RecordingChannel:
+    """Stands in for process 0's step channel (the broadcast itself is tested in
+    tests/multidevice/test_multihost.py): keeps what would be sent."""
+
+    is_leader = True
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, op, host=None) -> None:
+        self.sent.append(host)
+
+
+def test_multihost_leader_sends_the_mask_folded_into_the_bias(warm_tiny) -> None:
+    engine = new_tiny_engine(warm_tiny)
+    channel = _RecordingChannel()
+    engine.runner.channel = channel
+    try:
+        engine.add(request("c", warm_tiny.tokenizer.encode("Pick"), max_tokens=8,
+                           temperature=1.0, seed=3, constraint=Constraint.choice(["on", "off"])))
+        out = collect(engine)
+    finally:
+        engine.runner.channel = None
+    assert text_of(out["c"]) in ("on", "off")
+    steps = [h for h in channel.sent if h is not None]
+    # every step the request ran in carried its mask as -inf bias (a handful of tokens
+    # allowed); the last, scheduled before its end was known, allows everything
+    assert len(steps) >= 2 and all(np.isneginf(h.bias[0]).sum() > 49000 for h in steps[:-1])
+    assert not np.isneginf(steps[-1].bias).any()
