@@ -93,10 +93,11 @@ def part_times(runner: ModelRunner, rows: Sequence[RowInput], repeats: int) -> d
     logits = head(params, x)
     sampler = runner._compiled_sample[r]
     packed_rows, _, _ = runner._put(*host.packed())
-    bias = runner._zeros_bias(r)
+    bias, allowed = runner._zeros_bias(r), runner._all_allowed(r)
 
     def sample() -> Any:
-        runner.token_slots, out = sampler(logits, runner.token_slots, packed_rows, bias)
+        runner.token_slots, out = sampler(logits, runner.token_slots, packed_rows, bias,
+                                          allowed)
         return out.tokens
 
     def lay_out() -> None:

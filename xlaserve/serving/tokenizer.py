@@ -97,6 +97,11 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def to_json(self) -> str | None:
+        """The `tokenizers` JSON of a BPE vocabulary (what grammar engines read); None for
+        sentencepiece."""
+        return self._backend.to_str() if self.kind == "bpe" else None
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (what OpenAI's logprob `bytes` carry): a
         byte-level token holding part of a character gives those bytes, not U+FFFD."""
@@ -122,15 +127,26 @@ class Tokenizer:
 
     # -- chat ------------------------------------------------------------------------------
 
+    @property
+    def template_takes_tools(self) -> bool:
+        """Does the chat template render a `tools` list itself (else the caller describes the
+        tools in a system message: http/tools.py)?"""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        extra = {"tools": tools} if tools else {}
         return _render_chat(self.chat_template, messages, add_generation_prompt,
-                            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                            **extra)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=True)
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, tools=tools),
+                           add_special_tokens=True)
 
 
 def _make_byte_decoder() -> dict[str, int]:

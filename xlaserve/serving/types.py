@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from xlaserve.serving.structured.constraint import Constraint
+
 
 class Tier(IntEnum):
     """Service tier; a higher value is served first."""
@@ -43,6 +45,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None   # None = off; k >= 0: the sampled token's logprob + top-k
+    constraint: Constraint | None = None   # structured output: what the text must match
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:

@@ -12,7 +12,14 @@
 With `pipelined`, step n+1 is scheduled and launched before step n's tokens are read back:
 rows whose input is the token sampled in step n carry a placeholder the runner fills on device.
 Requests with presence/frequency penalties need their last token on the host, so a step that has
-any is processed before the next is scheduled.
+any is processed before the next is scheduled.  Constrained requests (structured outputs) need it
+too, for their next allowed-token mask, but only for the sampler: a step with constrained rows
+is scheduled and its forward launched as usual, and the step before it is processed (tokens
+read, grammars advanced, masks made) while that forward runs; only its sampler waits.
+
+    pipelined, constrained rows in step n+1:
+      host    schedule n+1 | launch fwd n+1 | process n, masks n+1 | launch sample n+1 | ...
+      device  ... sample n | fwd n+1 ................................| sample n+1 | fwd n+2
 """
 
 from __future__ import annotations
@@ -23,14 +30,18 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import Params
 from xlaserve.serving.engine.config import EngineConfig
 from xlaserve.serving.engine.request_state import OutputState
 from xlaserve.serving.engine.service_costs import CostMeter
 from xlaserve.serving.runner.runner import CallResult, ModelRunner, RowInput, RowSampling
+from xlaserve.serving.runner.token_mask import all_allowed
 from xlaserve.serving.scheduler import Scheduler
 from xlaserve.serving.scheduler.step_plan import ScheduledSeq, StepPlan
+from xlaserve.serving.structured.grammar import GrammarCompiler
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.serving.types import EngineEvent, GenerationRequest, TokenLogprob, Usage
 
@@ -47,11 +58,13 @@ class HostTime:
     launch: float = 0.0       # rows -> flat batch -> device arrays -> the compiled call
     process: float = 0.0      # tokens -> detokenize, stop checks, events (after the wait)
     wait: float = 0.0         # blocked in fetch: the device had not finished the step
+    masks: float = 0.0        # constrained rows' allowed-token masks (grammars on the host)
+    nested: float = 0.0       # of `launch`: the steps processed inside it, before the masks
 
     def per_step_ms(self) -> dict[str, float]:
         n = max(self.steps, 1)
         return {k: 1e3 * getattr(self, k) / n for k in ("schedule", "launch", "process",
-                                                        "wait")}
+                                                        "wait", "masks")}
 
 
 @dataclass
@@ -127,6 +140,7 @@ class LLMEngine:
         self.host_time = HostTime()
         self.clock = StepClock()
         self.costs = CostMeter(s.max_num_seqs)
+        self.grammars = GrammarCompiler(tokenizer, config.vocab_size)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -139,6 +153,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} are outside "
                              f"the vocabulary [0, {vocab})")
+        constraint = request.sampling.constraint
+        grammar = None if constraint is None else self.grammars.start(constraint)  # ValueError
         if not request.arrival_time:   # the caller's request stays as it was
             request = replace(request, arrival_time=time.monotonic())
         self.scheduler.add(request)
@@ -146,7 +162,7 @@ class LLMEngine:
         if seed is None:
             seed = self._rng.getrandbits(32)
         self._outputs[request.request_id] = OutputState.create(
-            request, self.tokenizer, seed, self.model_config.eos_token_ids, vocab)
+            request, self.tokenizer, seed, self.model_config.eos_token_ids, vocab, grammar)
 
     def abort(self, request_id: str) -> bool:
         """End a request in any phase and free its blocks; False if it is unknown/finished."""
@@ -187,7 +203,8 @@ class LLMEngine:
             self._launch(launched)
             self.num_steps += 1
             self.host_time.steps += 1
-            self.host_time.launch += time.perf_counter() - t1
+            nested, self.host_time.nested = self.host_time.nested, 0.0
+            self.host_time.launch += time.perf_counter() - t1 - nested
         keep = 1 if (self.config.pipelined and not plan.is_empty) else 0
         while len(self._calls) > keep:
             self._process_oldest()
@@ -238,7 +255,31 @@ class LLMEngine:
         return RowInput(row, self._token_slot(row.request_id), sampling or RowSampling())
 
     def _launch(self, launched: _Launched) -> None:
-        launched.call = self.runner.run([self._row(r) for r in launched.plan.rows])
+        plan = launched.plan
+        constrained = any(r.sample and r.request_id in self._outputs
+                          and self._outputs[r.request_id].grammar is not None
+                          for r in plan.rows)
+        rows = [self._row(r) for r in plan.rows]
+        launched.call = self.runner.run(rows, lambda: self._masks(plan)) if constrained \
+            else self.runner.run(rows)
+
+    def _masks(self, plan: StepPlan) -> np.ndarray:   # [rows, ceil(V/32)] int32
+        """The allowed-token masks of `plan`'s rows, called by the runner once the plan's
+        forward is launched: first every earlier step in flight is processed (its tokens
+        advance the grammars), then each sampling constrained row gets its grammar's mask;
+        the other rows (and requests that ended meanwhile) allow everything."""
+        t0 = time.perf_counter()
+        while self.scheduler.in_flight[0].step_id != plan.step_id:
+            self._process_oldest()
+        t1 = time.perf_counter()
+        masks = all_allowed(len(plan.rows), self.model_config.vocab_size)
+        for i, row in enumerate(plan.rows):
+            state = self._outputs.get(row.request_id)
+            if row.sample and state is not None and state.grammar is not None:
+                state.grammar.fill(masks[i])
+        self.host_time.masks += time.perf_counter() - t1
+        self.host_time.nested += time.perf_counter() - t0   # not launch time
+        return masks
 
     def _process_oldest(self) -> None:
         """Read back the oldest step in flight; its call is forgotten only once processed."""

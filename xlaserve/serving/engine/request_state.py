@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from xlaserve.serving.engine.stop_strings import StopStringMatcher
+from xlaserve.serving.structured.grammar import GrammarState
 from xlaserve.serving.tokenizer import IncrementalDetokenizer, Tokenizer
 from xlaserve.serving.types import EngineEvent, GenerationRequest, TokenLogprob
 
@@ -23,15 +24,17 @@ class OutputState:
     counts: dict[int, int] = field(default_factory=dict)
     first_token_time: float | None = None
     finished: bool = False
+    grammar: GrammarState | None = None   # a constrained request's position in its grammar
 
     @classmethod
     def create(cls, request: GenerationRequest, tokenizer: Tokenizer, seed: int,
-               eos_ids: tuple[int, ...], vocab_size: int) -> "OutputState":
+               eos_ids: tuple[int, ...], vocab_size: int,
+               grammar: GrammarState | None = None) -> "OutputState":
         s = request.sampling
         stop_ids = frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos
                                                   else frozenset(eos_ids))
         return cls(request, IncrementalDetokenizer(tokenizer, request.prompt_token_ids),
-                   StopStringMatcher(s.stop), seed, stop_ids, vocab_size)
+                   StopStringMatcher(s.stop), seed, stop_ids, vocab_size, grammar=grammar)
 
     @property
     def uses_penalties(self) -> bool:
@@ -50,16 +53,23 @@ class OutputState:
         return bias
 
     def accept(self, token: int, logprob: TokenLogprob | None) -> tuple[EngineEvent, str | None]:
-        """Take one sampled token: the event to stream and a finish reason if it ends here."""
+        """Take one sampled token: the event to stream and a finish reason if it ends here.
+        The one place a request's grammar advances (per accepted token): a grammar that
+        rejects the token ends the request with "error" (its mask should have forbidden it),
+        one that allows nothing more but end-of-sequence ends it with "stop"."""
         rid = self.request.request_id
         self.output_ids.append(token)
         self.counts[token] = self.counts.get(token, 0) + 1
         lps = (logprob,) if logprob is not None else ()
+        if self.grammar is not None and not self.grammar.accept(token):
+            return EngineEvent(rid, (token,), self.flush_text()[0], lps), "error"
         if token in self.stop_ids:   # the stop token's own text is not part of the output
             return EngineEvent(rid, (token,), self.flush_text()[0], lps), "stop"
         text, stopped = self.stops.feed(self.detok.add(token))
         if stopped:
             return EngineEvent(rid, (token,), text, lps), "stop"
+        if self.grammar is not None and self.grammar.done:
+            return EngineEvent(rid, (token,), text + self.flush_text()[0], lps), "stop"
         return EngineEvent(rid, (token,), text, lps), None
 
     def flush_text(self) -> tuple[str, bool]:

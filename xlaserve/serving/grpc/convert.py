@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from xlaserve.serving.engine_api import EngineStats, ServiceCosts
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
+from xlaserve.serving.structured.constraint import Constraint
 from xlaserve.serving.types import (
     EngineEvent,
     GenerationRequest,
@@ -23,6 +24,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         m.seed = s.seed
     if s.logprobs is not None:
         m.logprobs = s.logprobs
+    if s.constraint is not None:
+        m.constraint_kind, m.constraint_spec = s.constraint.kind, s.constraint.spec
     return m
 
 
@@ -35,7 +38,9 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=round(m.frequency_penalty, 6),
         seed=m.seed if m.HasField("seed") else None, stop=tuple(m.stop),
         stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
-        logprobs=m.logprobs if m.HasField("logprobs") else None)
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        constraint=Constraint(m.constraint_kind, m.constraint_spec) if m.constraint_kind
+        else None)
 
 
 def request_to_pb(r: GenerationRequest, model: str) -> pb.GenerateRequest:

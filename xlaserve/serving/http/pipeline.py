@@ -25,7 +25,9 @@ from xlaserve.serving.gateway.tracing import TraceContext
 from xlaserve.serving.http.protocol import ApiError, ParsedRequest, decode_body, parse
 from xlaserve.serving.http.render import ended_by, render, shutting_down
 from xlaserve.serving.http.state import Admitted, Generation, ServingState, audit_record
+from xlaserve.serving.http.tools import render_messages
 from xlaserve.serving.router import ModelGroup, RoutingError
+from xlaserve.serving.structured.grammar import GrammarError
 from xlaserve.serving.types import SamplingParams, Usage
 
 ROUTED_HEADER = "x-xlaserve-routed-model"
@@ -50,6 +52,7 @@ async def generate(state: ServingState, kind: str, request: Request, trace: Trac
             group, prompts = route(state, parsed, principal)
             intake.model = group.id
             sampling = sampling_params(parsed, group, prompts)
+            await check_constraint(parsed, group)
             s.set_attributes({"xlaserve.model": group.id, "xlaserve.tenant": principal.tenant,
                               "xlaserve.prompt_tokens": sum(len(p) for p in prompts)})
         with tel.stage(span, "admission") as s:
@@ -168,7 +171,9 @@ def tokenize(parsed: ParsedRequest, group: ModelGroup) -> list[list[int]]:
     tok = group.tokenizer
     if parsed.kind == "chat":
         try:
-            return [tok.encode_chat(parsed.messages)]
+            messages, tools = render_messages(parsed.messages, parsed.tools,
+                                              tok.template_takes_tools)
+            return [tok.encode_chat(messages, tools)]
         except Exception as e:  # noqa: BLE001 (any template error, raise_exception too)
             raise ApiError(400, f"could not apply the chat template: {e}", "messages",
                            "invalid_value") from None
@@ -211,10 +216,25 @@ def sampling_params(parsed: ParsedRequest, group: ModelGroup, prompts: list[list
     else:
         max_tokens = parsed.max_tokens
     try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=parsed.logprobs, **parsed.sampling)
+        return SamplingParams(max_tokens=max_tokens, logprobs=parsed.logprobs,
+                              constraint=parsed.constraint, **parsed.sampling)
     except ValueError as e:
         param = str(e).split("=", 1)[0] if "=" in str(e) else None
         raise ApiError(400, str(e), param, "invalid_value") from None
+
+
+async def check_constraint(parsed: ParsedRequest, group: ModelGroup) -> None:
+    """A constraint that does not compile for the group's tokenizer (bad schema, regex or
+    grammar, or over the grammar engine's bounds) is a 400 naming its field, before anything
+    is queued (engines compile it again, per choice: typically under a millisecond).  The
+    compile runs on a worker thread (llguidance releases the GIL), not on the event loop."""
+    if parsed.constraint is None:
+        return
+    try:
+        await asyncio.to_thread(group.grammars.start, parsed.constraint)
+    except GrammarError as e:
+        raise ApiError(400, f"Invalid value for '{parsed.constraint_param}': {e}",
+                       parsed.constraint_param, "invalid_grammar") from None
 
 
 def reserve(state: ServingState, principal: Principal, prompts: list[list[int]], n: int,

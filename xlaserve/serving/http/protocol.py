@@ -4,10 +4,11 @@ the OpenAI-shaped error every failure answers with (responses: http/render.py).
 Every bad input raises `ApiError` (400 unless said otherwise) naming the offending field in
 `param`.  Unknown fields: OpenAI answers 400 "Unrecognized request argument supplied", and so do
 we, except for fields that carry no behaviour here (`user`, `metadata`, `store`,
-`service_tier`) which are accepted and ignored.  Fields we know but do not implement (`tools`,
-`logit_bias`, `response_format`, `echo`, `suffix`, ...) are accepted only at their default
-(null / empty / false / "text") and otherwise get a 400 saying they are not supported, so a
-client never silently gets different behaviour than it asked for.
+`service_tier`) which are accepted and ignored.  Fields we know but do not implement
+(`logit_bias`, `functions`, `echo`, `suffix`, ...) are accepted only at their default
+(null / empty / false) and otherwise get a 400 saying they are not supported, so a client never
+silently gets different behaviour than it asked for.  Output constraints (`response_format`,
+`guided_*`, `structured_outputs`) are read by http/structured.py, tools by http/tools.py.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from werkzeug.exceptions import HTTPException
 
+from xlaserve.serving.structured.constraint import Constraint
 from xlaserve.serving.types import MAX_INT32
+
+if TYPE_CHECKING:
+    from xlaserve.serving.http.tools import Tools
 
 
 class ApiError(Exception):
@@ -57,17 +62,17 @@ class ApiError(Exception):
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 # field -> the values accepted (only the default behaviour is implemented)
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "functions": (None, []), "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}), "functions": (None, []), "function_call": (None, "none", "auto"),
     "modalities": (None, ["text"]), "prediction": (None,), "audio": (None,),
     "reasoning_effort": (None,), "web_search_options": (None,),
     "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
            "seed", "presence_penalty", "frequency_penalty", "logprobs", "stream",
-           "stream_options", "priority", "ignore_eos"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+           "stream_options", "priority", "ignore_eos", "response_format", "guided_json",
+           "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                         "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -87,6 +92,9 @@ class ParsedRequest:
     priority: int = 0
     user: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
+    constraint: Constraint | None = None   # what the output must match (http/structured.py)
+    constraint_param: str | None = None    # the field that set it, for errors
+    tools: Tools | None = None             # chat: the tools offered (http/tools.py)
 
 
 # -- field readers ------------------------------------------------------------------------------
@@ -278,8 +286,13 @@ def parse_chat(body: dict[str, Any], max_n: int) -> ParsedRequest:
             content = ""
         else:
             content = _text(content, f"{where}.content")
-        p.messages.append({"role": "system" if role == "developer" else role,
-                           "content": content})
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = _text(m["tool_call_id"], f"{where}.tool_call_id")
+        p.messages.append(msg)
     mt = _int(body, "max_tokens", 1)
     mct = _int(body, "max_completion_tokens", 1)
     p.max_tokens = mct if mct is not None else mt
@@ -292,6 +305,28 @@ def parse_chat(body: dict[str, Any], max_n: int) -> ParsedRequest:
                        "invalid_value")
     p.logprobs = (top or 0) if lp else None
     return p
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, checked: each a function with a name and JSON
+    arguments."""
+    if not isinstance(calls, list):
+        raise _type_error(where, "an array of tool calls", calls)
+    out = []
+    for i, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise _value_error(f"{where}[{i}]", "must be {\"type\": \"function\", "
+                               "\"function\": {\"name\", \"arguments\"}}", c)
+        args = f.get("arguments") or "{}"
+        try:
+            json.loads(_text(args, f"{where}[{i}].function.arguments"))
+        except json.JSONDecodeError:
+            raise _value_error(f"{where}[{i}].function.arguments", "must be JSON text",
+                               args) from None
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})
+    return out
 
 
 def parse_completion(body: dict[str, Any], max_n: int) -> ParsedRequest:
@@ -325,4 +360,19 @@ def parse_completion(body: dict[str, Any], max_n: int) -> ParsedRequest:
 
 def parse(kind: str, body: dict[str, Any], max_n: int) -> ParsedRequest:
     """A decoded body validated for `kind` ("chat" | "completion")."""
-    return parse_chat(body, max_n) if kind == "chat" else parse_completion(body, max_n)
+    # imported here: both modules raise this module's ApiError
+    from xlaserve.serving.http.structured import parse_constraint
+    from xlaserve.serving.http.tools import parse_tools, tool_constraint
+
+    p = parse_chat(body, max_n) if kind == "chat" else parse_completion(body, max_n)
+    p.constraint, p.constraint_param = parse_constraint(body)
+    if kind == "chat":
+        p.tools = parse_tools(body)
+        forced = tool_constraint(p.tools) if p.tools is not None else None
+        if forced is not None:
+            if p.constraint is not None:
+                raise ApiError(400, f"'{p.constraint_param}' cannot be combined with "
+                                    f"tool_choice {p.tools.choice!r}", p.constraint_param,
+                               "invalid_value")
+            p.constraint, p.constraint_param = forced, "tools"
+    return p

@@ -21,6 +21,7 @@ the replica says is waiting in its engine (covers other routers sharing a remote
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from xlaserve.serving.admission import AdmissionController
 from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.router.prefix_index import PrefixIndex, block_chain
 from xlaserve.serving.server_config import AutoRouteConfig, RouterConfig, ServedModel
+from xlaserve.serving.structured.grammar import GrammarCompiler
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.serving.types import Tier
 
@@ -79,6 +81,11 @@ class ModelGroup:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.replicas[0].engine.tokenizer
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Checks the group's requests' output constraints against its tokenizer."""
+        return GrammarCompiler(self.tokenizer, self.tokenizer.vocab_size)
 
     @property
     def max_model_len(self) -> int:

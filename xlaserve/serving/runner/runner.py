@@ -14,7 +14,8 @@
                   one device: models.llama.forward; a bigger mesh: the shard_map forward
                   (sharding/parallel_forward.py), logits [R, V] split over `tensor`
                   logits -> replicated [R, V]               (an all-gather of R x V floats)
-         sample   out = sample(logits)                      (per-row seeded sampling)
+         [host: the allowed-token masks of constrained rows, made while the forward runs]
+         sample   out = sample(logits, mask)                (per-row seeded sampling)
                   token_slots[row_slot] <- out.tokens  (for the next step's PENDING_TOKEN)
       -> device arrays, fetched by the caller when it needs them
 
@@ -54,9 +55,11 @@ from xlaserve.models.llama import KVCache, Params, pack_params
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.runner.call_profile import CallProfile
 from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS, HostStep
+from xlaserve.serving.runner.row_input import GREEDY, MaskSource, RowInput, RowSampling
 from xlaserve.serving.runner.sampling import SampleOutput
 from xlaserve.serving.runner.step_channel import Op, StepChannel
 from xlaserve.serving.runner.step_functions import forward_step, sample_step
+from xlaserve.serving.runner.token_mask import all_allowed, mask_as_bias, mask_words
 from xlaserve.serving.scheduler.step_plan import ScheduledSeq, slot_mapping
 from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.parallel_forward import make_forward
@@ -76,32 +79,6 @@ def log_backend(requested: str, chosen: str, platform: str, dtype: str) -> None:
         return
     log.info("attention backend: %s on %s, dtype %s (requested %s)", chosen, platform, dtype,
              requested)
-
-
-@dataclass(frozen=True)
-class RowSampling:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    counter: int = 0              # index of the token this row samples (RNG stream position)
-    bias: np.ndarray | None = None  # [V] additive logit bias (penalties), None = zeros
-    logprobs: bool = False        # compute this row's logprobs (and the top 20)
-
-
-GREEDY = RowSampling()
-
-
-@dataclass(frozen=True)
-class RowInput:
-    """One sequence's share of a call: its row of the step plan (PENDING_TOKEN inputs are
-    filled from the token slot), the token slot its sampled tokens live in on device (in
-    [1, max_num_seqs]), and how it samples.  `ModelRunner.row` makes one by hand."""
-
-    seq: ScheduledSeq
-    token_slot: int
-    sampling: RowSampling = GREEDY
 
 
 @dataclass(frozen=True)
@@ -180,6 +157,7 @@ class ModelRunner:
         self.channel = None if self.replicated.is_fully_addressable else \
             StepChannel(config.vocab_size, timeout_s=peer_timeout_s)
         self._zero_bias: dict[int, jax.Array] = {}
+        self._no_mask: dict[int, jax.Array] = {}
         self._compiled: dict[tuple[int, int, int], Any] = {}
         self._compiled_sample: dict[int, Any] = {}
         self.warmup_seconds = 0.0
@@ -220,7 +198,7 @@ class ModelRunner:
                         spec((len(TOKEN_FIELDS), t), i32), spec((r, w), i32))
         v = self.config.vocab_size
         sample_args = (spec((r, v), jnp.float32), self.token_slots, rows,
-                       spec((r, v), jnp.float32))
+                       spec((r, v), jnp.float32), spec((r, mask_words(v)), i32))
         return forward_args, sample_args
 
     def compile(self, shape: tuple[int, int, int]) -> Any:
@@ -253,16 +231,24 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------------------------
 
-    def run(self, rows: Sequence[RowInput]) -> CallResult:
-        """One call over `rows` (decodes and prefill chunks alike), in their order."""
+    def run(self, rows: Sequence[RowInput], masks: MaskSource | None = None) -> CallResult:
+        """One call over `rows` (decodes and prefill chunks alike), in their order.  `masks`,
+        for a step with constrained rows, is called once the forward is launched (so the host
+        makes them while the device runs it) and returns the rows' allowed-token masks
+        [len(rows), ceil(V/32)] int32 (token_mask.py), or None for none."""
         host = self.host_step(rows)
         if self.channel is not None:
             self._require_leader("run")
+            mask = masks() if masks is not None else None   # folded into the bias: the
+            if mask is not None:                            # channel carries that already
+                host = host._replace(bias=mask_as_bias(self._pad_mask(mask, host.shape[0]),
+                                                       host.bias, self.config.vocab_size))
+            masks = None
             self.channel.send(Op.STEP, host)
         if self.profile is None:
-            return CallResult(len(rows), self._execute(host), host.shape)
+            return CallResult(len(rows), self._execute(host, masks), host.shape)
         start = time.perf_counter()
-        out = self._execute(host)
+        out = self._execute(host, masks)
         jax.block_until_ready(out.tokens)      # serialises the pipeline: diagnostics only
         self.profile.record(host.shape, time.perf_counter() - start,
                             int((host.token_rows >= 0).sum()))
@@ -367,16 +353,31 @@ class ModelRunner:
                         sample_mask, temperature, top_k, top_p, min_p, seed, counter, logprobs,
                         bias)
 
-    def _execute(self, host: HostStep) -> SampleOutput:
-        """Launch the compiled call for `host` (asynchronously); the runner's state advances."""
+    def _execute(self, host: HostStep, masks: MaskSource | None = None) -> SampleOutput:
+        """Launch the compiled call for `host` (asynchronously); the runner's state advances.
+        The sampler is launched after `masks()` (if any) returned."""
         fn = self._compiled[host.shape]
+        r = host.shape[0]
         rows, toks, tables = self._put(*host.packed())
-        bias = self._put(host.bias)[0] if host.bias is not None else \
-            self._zeros_bias(host.shape[0])
+        bias = self._put(host.bias)[0] if host.bias is not None else self._zeros_bias(r)
         self.kv, logits = fn(self.params, self.kv, self.token_slots, rows, toks, tables)
-        self.token_slots, out = self._compiled_sample[host.shape[0]](
-            logits, self.token_slots, rows, bias)
+        mask = masks() if masks is not None else None
+        allowed = self._put(self._pad_mask(mask, r))[0] if mask is not None else \
+            self._all_allowed(r)
+        self.token_slots, out = self._compiled_sample[r](
+            logits, self.token_slots, rows, bias, allowed)
         return out
+
+    def _pad_mask(self, mask: np.ndarray, r: int) -> np.ndarray:
+        """A [rows, W] mask padded to the bucket's r rows (padding rows: everything allowed)."""
+        out = all_allowed(r, self.config.vocab_size)
+        out[: mask.shape[0]] = mask
+        return out
+
+    def _all_allowed(self, r: int) -> jax.Array:
+        if r not in self._no_mask:
+            self._no_mask[r] = self._put(all_allowed(r, self.config.vocab_size))[0]
+        return self._no_mask[r]
 
     def _put(self, *arrays: np.ndarray) -> list[jax.Array]:
         """Host arrays replicated on every device of the mesh, in one transfer call (only this

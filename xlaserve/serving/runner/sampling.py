@@ -11,8 +11,9 @@ two-level CDF (block sums, then within the block); rows with them draw among the
 CANDIDATES best tokens (kernels/top_k.py), exact whenever the kept set lies inside the
 candidates, and only a step where some row's set does not (top-p near 1 over a flat
 distribution, top-k above CANDIDATES) sorts the whole vocabulary (with the same kernel).
-Logprobs are of the model's raw distribution, computed only in a step where some row asks for
-them (the others get zeros).
+Constrained rows (structured outputs) have their forbidden tokens at -inf first
+(token_mask.py).  Logprobs are of the model's raw distribution, computed only in a step where
+some row asks for them (the others get zeros).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from xlaserve.kernels.top_k import top_k
+from xlaserve.serving.runner.token_mask import apply_token_mask
 
 MAX_TOP_LOGPROBS = 20
 CANDIDATES = 256   # tokens a top-k / top-p row draws among without a sort
@@ -119,8 +121,10 @@ def _draw_filtered(z: jax.Array, s: SamplingArrays, u: jax.Array) -> jax.Array:
     cut = _cuts(cand_z, lse, s, v)
     kept = cand_z >= cut
     filtering = (s.top_k > 0) | (s.top_p < 1.0)
-    # Exact when the set stops before the last candidate (ties at the cut included).
-    inside = ~kept[:, -1] | (n == v)
+    # Exact when the set stops before the last candidate (ties at the cut included), or when
+    # the last candidate is already forbidden (-inf: a structured-output mask) and so is
+    # every token after it.
+    inside = ~kept[:, -1] | (n == v) | (cand_z[:, -1] == -jnp.inf)
 
     def among_candidates(_: None) -> jax.Array:
         w = jnp.where(kept, jnp.exp(cand_z - cand_z[:, :1]), 0.0)
@@ -134,10 +138,13 @@ def _draw_filtered(z: jax.Array, s: SamplingArrays, u: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.all(inside | ~filtering), among_candidates, sorted_all, None)
 
 
-def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
+def sample(logits: jax.Array, s: SamplingArrays, allowed: jax.Array | None = None
+           ) -> SampleOutput:
     """logits: [B, V] float32 -> sampled tokens and logprobs (zeros unless some row of the
-    step asks for them)."""
-    biased = logits + s.bias
+    step asks for them; of the model's distribution, before any mask).  allowed: [B,
+    ceil(V/32)] int32 packed allowed-token mask (token_mask.py), None = every token."""
+    masked = logits if allowed is None else apply_token_mask(logits, allowed)
+    biased = masked + s.bias
     greedy = _first_max(biased)
 
     def draw(_: None) -> jax.Array:

@@ -3,7 +3,7 @@ over a step's packed inputs (HostStep.packed) and the sampler.
 
     forward_step  tokens[PENDING_TOKEN] <- token_slots[row_slot[row]]   (sampled last step)
                   logits [R, V], kv = forward(...)                      (kv donated)
-    sample_step   out = sample(logits);  token_slots[row_slot] <- out.tokens
+    sample_step   out = sample(logits, allowed-token mask);  token_slots[row_slot] <- out.tokens
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ def forward_step(params: Params, kv: KVCache, token_slots: jax.Array, rows: jax.
     return kv, logits
 
 
-def sample_step(logits: jax.Array, token_slots: jax.Array, rows: jax.Array, bias: jax.Array
-                ) -> tuple[jax.Array, SampleOutput]:
-    # logits: [R, V]; rows: [ROW_FIELDS, R] (HostStep.packed); bias: [R, V]
+def sample_step(logits: jax.Array, token_slots: jax.Array, rows: jax.Array, bias: jax.Array,
+                allowed: jax.Array) -> tuple[jax.Array, SampleOutput]:
+    # logits: [R, V]; rows: [ROW_FIELDS, R] (HostStep.packed); bias: [R, V];
+    # allowed: [R, ceil(V/32)] int32 packed allowed-token mask (token_mask.py)
     def f32(x: jax.Array) -> jax.Array:
         return jax.lax.bitcast_convert_type(x, jnp.float32)
 
@@ -47,6 +48,6 @@ def sample_step(logits: jax.Array, token_slots: jax.Array, rows: jax.Array, bias
     sampling = SamplingArrays(f32(temperature), top_k, f32(top_p), f32(min_p),
                               jax.lax.bitcast_convert_type(seed, jnp.uint32), counter, bias,
                               logprobs != 0)
-    out = sample(logits, sampling)
+    out = sample(logits, sampling, allowed)
     token_slots = token_slots.at[jnp.where(sample_mask != 0, row_slot, 0)].set(out.tokens)
     return token_slots, out

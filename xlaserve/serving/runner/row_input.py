@@ -1,0 +1,39 @@
+"""One sequence's share of a runner call (`RowInput`: its plan row, token slot and how it
+samples), and `MaskSource`, how a step's allowed-token masks reach the runner."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from xlaserve.serving.scheduler.step_plan import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    counter: int = 0              # index of the token this row samples (RNG stream position)
+    bias: np.ndarray | None = None  # [V] additive logit bias (penalties), None = zeros
+    logprobs: bool = False        # compute this row's logprobs (and the top 20)
+
+
+GREEDY = RowSampling()
+# makes a step's allowed-token masks [rows, ceil(V/32)] int32, or None (see ModelRunner.run)
+MaskSource = Callable[[], np.ndarray | None]
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """One sequence's share of a call: its row of the step plan (PENDING_TOKEN inputs are
+    filled from the token slot), the token slot its sampled tokens live in on device (in
+    [1, max_num_seqs]), and how it samples.  `ModelRunner.row` makes one by hand."""
+
+    seq: ScheduledSeq
+    token_slot: int
+    sampling: RowSampling = GREEDY
