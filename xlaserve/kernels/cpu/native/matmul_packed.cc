@@ -42,6 +42,8 @@ namespace {
 // Up to this many rows, int8 panels run grouped tiles (4 rows each: the first streams the panel
 // from memory, the others find it in L1); more rows dequantize each panel once per row block.
 constexpr int64_t kGroupedRows = 16;
+// An item's dequantized panels, kept for all its row blocks, up to this many bytes (in L2).
+constexpr int64_t kDequantizedBytes = 2 << 20;
 
 // Runs `tile(mr, m, dst, ldd, res)` over rows [0, rows) of one panel's columns [n0, n0 + width)
 // of y [rows, N] (res: [rows, N] added, or nullptr): register tiles of kMaxRows, 4, 2, 1 rows
@@ -175,8 +177,20 @@ void run_panels(const float* xp, int64_t M, int64_t K, const std::vector<Panel>&
   const int64_t per_thread = M <= kStreamRows ? 2 : kItemsPerThread;
   const int64_t items = std::min<int64_t>(count, per_thread * num_threads());
   parallel_for(items, [&](int64_t item) {
-    thread_local std::vector<float> widened;   // an int8 panel as floats [K, kTileN]
+    thread_local std::vector<float> widened;   // int8 panels as floats, [K, kTileN] each
     const int64_t b = count * item / items, e = count * (item + 1) / items;
+    const int64_t panel_floats = K * kTileN;
+    // Several row blocks over int8 panels: dequantize the item's panels once, for every
+    // block, when they fit the budget (each block would dequantize them again: 8 times for a
+    // 512-token chunk, +11% on its step); else once per block and panel.
+    const bool once = M > kMBlock && panels[b].scale != nullptr &&
+                      (e - b) * panel_floats * 4 <= kDequantizedBytes;
+    if (once) {
+      widened.resize((e - b) * panel_floats);
+      for (int64_t i = b; i < e; ++i)
+        dequantize_panel(static_cast<const int8_t*>(panels[i].p), panels[i].scale, K,
+                         panels[i].group, widened.data() + (i - b) * panel_floats);
+    }
     for (int64_t m0 = 0; m0 < M; m0 += kMBlock)
       for (int64_t i = b; i < e; ++i) {
         const Panel& p = panels[i];
@@ -185,11 +199,14 @@ void run_panels(const float* xp, int64_t M, int64_t K, const std::vector<Panel>&
         const float* res = p.res ? p.res + m0 * p.N : nullptr;
         if (p.scale == nullptr) {
           panel_rows(xp + m0 * K, rows, K, static_cast<const float*>(p.p), y, p.N, p.n0, res);
+        } else if (once) {
+          panel_rows(xp + m0 * K, rows, K, widened.data() + (i - b) * panel_floats, y, p.N,
+                     p.n0, res);
         } else if (rows <= kGroupedRows) {   // widened in registers
           panel_rows_grouped(xp + m0 * K, rows, K, static_cast<const int8_t*>(p.p), p.scale,
                              p.group, y, p.N, p.n0, res);
         } else {   // dequantized once for the block's tiles, into L2
-          widened.resize(K * kTileN);
+          widened.resize(panel_floats);
           dequantize_panel(static_cast<const int8_t*>(p.p), p.scale, K, p.group,
                            widened.data());
           panel_rows(xp + m0 * K, rows, K, widened.data(), y, p.N, p.n0, res);
