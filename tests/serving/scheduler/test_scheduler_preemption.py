@@ -109,7 +109,7 @@ def test_everything_completes_under_pressure(make: Callable[..., Scheduler]) -> 
         if not s.has_unfinished:
             break
         plan = s.schedule(0.0)
-        for rid, tok in s.update(plan, samples(plan)).items():
+        for rid, (tok,) in s.update(plan, samples(plan)).items():
             outputs[rid].append(tok)
             if s.length_finish_reason(rid):
                 s.finish(rid, "length")

@@ -42,6 +42,20 @@ sequence with a placeholder is not re-admitted until update() fills it in. When 
 its samples never come: the engine ends the running requests and `drop_in_flight()` forgets
 every plan not yet updated.
 
+Speculative decoding (with a `SpeculativeConfig`). Once a step's rows are chosen, each decode
+row of a request that speculates and has no placeholder may take draft tokens from the
+proposer, up to k and what the budget, the rows of the largest bucket (max_num_seqs sample
+rows in all) and its max_tokens / max_model_len leave: it becomes a verify row
+[t, d1 .. dk] whose KV slots are reserved (Sequence.num_draft_slots) but whose drafts never
+enter all_token_ids. `update` takes its k + 1 samples, keeps the accepted ones
+(speculative/acceptance.py), moves num_computed_tokens past the accepted drafts and trims the
+KV reservation back to it, so rejected drafts hold no slot and never reach the prefix cache.
+The engine reads a speculating request's tokens back before scheduling it again (the proposal
+needs its last token), so a verify row never meets a placeholder.
+
+    all:  [p p p t P]      row (t, d1, d2), slots for 3      samples (d1, x, y): a = 1
+    after update: [p p p t d1 x]   num_computed = 5 (t, d1)   KV trimmed from 6 to 5 slots
+
 Prefix-cache hits are registered between steps (start of `schedule`, preemption, finish), so a
 hit always reads KV that an earlier device step wrote.
 """
@@ -50,6 +64,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
 from xlaserve.serving.kv_cache import KVCacheManager
@@ -63,6 +78,8 @@ from xlaserve.serving.scheduler.step_plan import (
     StepPlan,
     slot_mapping,
 )
+from xlaserve.serving.speculative import NgramProposer, SpecStats, SpeculativeConfig
+from xlaserve.serving.speculative.acceptance import accept_drafts
 from xlaserve.serving.types import GenerationRequest
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -75,6 +92,7 @@ class _Draft:
     budget: int
     entries: dict[str, tuple[Sequence, int]] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # verify rows' drafts
 
     def add(self, seq: Sequence, n: int) -> None:
         self.entries[seq.request_id] = (seq, n)
@@ -89,8 +107,11 @@ class _Draft:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.spec_stats = SpecStats()
         self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size,
                                        enable_prefix_caching=config.enable_prefix_caching)
         self._seqs: dict[str, Sequence] = {}
@@ -172,6 +193,7 @@ class Scheduler:
             if draft.budget == 0:
                 break
             if (seq.status is not SequenceStatus.RUNNING    # preempted earlier in this step
+                    or seq.num_draft_slots                # a verify row not yet updated
                     or seq.output_limit_reached(cfg.max_model_len, known_only=False)):
                 continue
             n = self._reserve_or_preempt(
@@ -180,11 +202,16 @@ class Scheduler:
                 draft.add(seq, n)
         if not draft.preempted:
             self._admit(draft, now)
+        if self.proposer is not None:
+            self._propose(draft)
         return self._emit(draft)
 
-    def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> dict[str, int]:
-        """Fill in the tokens `plan` sampled; returns those of requests still alive (the ones
-        to emit). Every non-empty plan is updated once, in the order they were made."""
+    def update(self, plan: StepPlan, sampled: Mapping[str, int | Sequence_[int]]
+               ) -> dict[str, tuple[int, ...]]:
+        """Fill in the tokens `plan` sampled (an int per sampling row, the k + 1 samples of a
+        verify row); returns the tokens each request still alive gained (the ones to emit: one,
+        or a verify row's accepted drafts and the target's token). Every non-empty plan is
+        updated once, in the order they were made."""
         if plan.is_empty:
             if sampled:
                 raise ValueError(f"step {plan.step_id} is empty, got samples for {list(sampled)}")
@@ -197,16 +224,38 @@ class Scheduler:
         extra = sorted(set(sampled) - set(rows))
         live = {rid: r for rid, r in rows.items() if rid in self._seqs}
         missing = sorted(set(live) - set(sampled))
-        negative = {rid: t for rid, t in sampled.items() if t < 0}
-        if extra or missing or negative:
+        given = {rid: (v,) if isinstance(v, int) else tuple(v) for rid, v in sampled.items()}
+        negative = {rid: sampled[rid] for rid, t in given.items() if min(t, default=0) < 0}
+        shape = {rid: len(t) for rid, t in given.items()
+                 if rid in rows and len(t) != rows[rid].num_samples}
+        if extra or missing or negative or shape:
             raise ValueError(f"step {plan.step_id}: samples for non-sampling rows {extra}, "
-                             f"missing for {missing}, negative {negative}")
+                             f"missing for {missing}, negative {negative}, wrong count {shape} "
+                             "(a verify row samples 1 + its drafts)")
         self._in_flight.popleft()
+        out: dict[str, tuple[int, ...]] = {}
         for rid, row in live.items():
-            tokens = self._seqs[rid].all_token_ids
-            assert tokens[row.sample_position] == PENDING_TOKEN, (rid, row.sample_position)
-            tokens[row.sample_position] = sampled[rid]
-        return {rid: sampled[rid] for rid in live}
+            seq = self._seqs[rid]
+            assert seq.all_token_ids[row.sample_position] == PENDING_TOKEN, (rid, row)
+            out[rid] = accept_drafts(row.draft_token_ids, given[rid])
+            seq.all_token_ids[row.sample_position] = out[rid][0]
+            if row.num_draft:
+                self._settle_drafts(seq, row, out[rid])
+        return out
+
+    def _settle_drafts(self, seq: Sequence, row: ScheduledSeq, kept: tuple[int, ...]) -> None:
+        """A verify row's samples came: the accepted drafts join the sequence as computed
+        tokens, the target's own token after them is its next input, and the KV slots of the
+        rejected drafts are given back."""
+        accepted = len(kept) - 1
+        seq.all_token_ids.extend(kept[1:])
+        seq.num_draft_tokens += row.num_draft
+        seq.num_accepted_tokens += accepted
+        self.spec_stats.observe(row.num_draft, accepted)
+        if seq.status is SequenceStatus.RUNNING:   # else preempted since: recomputed later
+            seq.num_computed_tokens += accepted
+            seq.num_draft_slots = 0
+            self.kv_cache.trim(seq.request_id, seq.num_computed_tokens)
 
     @property
     def in_flight(self) -> tuple[StepPlan, ...]:
@@ -282,6 +331,31 @@ class Scheduler:
         known = seq.all_token_ids[:seq.num_known_tokens]
         return self.kv_cache.unregistered_block_hashes(seq.request_id, known)
 
+    def _propose(self, draft: _Draft) -> None:
+        """Give decode rows of speculating requests draft tokens, from what the step left:
+        budget, sample rows (max_num_seqs in all) and KV slots; never preempts for them."""
+        cfg = self.config
+        assert self.proposer is not None
+        spare_rows = cfg.max_num_seqs - len(draft.entries)
+        for rid, (seq, n) in draft.entries.items():
+            if spare_rows < 1 or draft.budget < 1:
+                return
+            if n != 1 or seq.num_remaining != 1 or seq.num_pending or not seq.speculates:
+                continue
+            # the row emits 1 + k tokens at most: within max_tokens and max_model_len
+            room = min(seq.request.sampling.max_tokens - seq.num_output_tokens,
+                       cfg.max_model_len - seq.num_tokens) - 1
+            limit = min(room, spare_rows, draft.budget)
+            if limit < 1:
+                continue
+            tokens = self.proposer.propose(seq.all_token_ids, limit)
+            if not tokens or not self.kv_cache.allocate_slots(rid, len(tokens)):
+                continue
+            seq.num_draft_slots = len(tokens)
+            draft.drafts[rid] = tokens
+            draft.budget -= len(tokens)
+            spare_rows -= len(tokens)
+
     def _emit(self, draft: _Draft) -> StepPlan:
         bs = self.config.block_size
         decodes: list[ScheduledSeq] = []
@@ -290,12 +364,14 @@ class Scheduler:
             start = seq.num_computed_tokens
             table = self.kv_cache.block_table(rid)
             sample = start + n == seq.num_tokens
-            row = ScheduledSeq(rid, tuple(seq.all_token_ids[start:start + n]), start, table,
-                               slot_mapping(table, start, n, bs), sample)
+            drafts = draft.drafts.get(rid, ())
+            m = n + len(drafts)
+            row = ScheduledSeq(rid, tuple(seq.all_token_ids[start:start + n]) + drafts, start,
+                               table, slot_mapping(table, start, m, bs), sample, len(drafts))
             seq.num_computed_tokens += n
             if sample:
                 seq.all_token_ids.append(PENDING_TOKEN)
-            (decodes if n == 1 and sample else prefills).append(row)
+            (decodes if m == 1 and sample else prefills).append(row)
         plan = StepPlan(self._num_steps, tuple(decodes), tuple(prefills), tuple(draft.preempted))
         self._num_steps += 1
         if not plan.is_empty:
@@ -305,7 +381,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._cache_computed(seq)  # so the recompute can hit its own full blocks
         self.kv_cache.free(seq.request_id)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_slots = 0
         seq.status, seq.requeued = SequenceStatus.WAITING, True
         seq.num_preemptions += 1
         self._num_preemptions += 1
@@ -341,7 +417,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self._running), len(self._waiting), self._num_preemptions,
                               self._num_finished, self._num_steps, self.kv_cache.usage(),
-                              self.kv_cache.prefix_cache_stats)
+                              self.kv_cache.prefix_cache_stats, self.spec_stats.snapshot())
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
@@ -356,9 +432,11 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 assert rid in self._running
                 assert 0 < seq.num_computed_tokens <= seq.num_tokens, rid
-                assert self.kv_cache.num_tokens(rid) == seq.num_computed_tokens, rid
+                assert (self.kv_cache.num_tokens(rid)
+                        == seq.num_computed_tokens + seq.num_draft_slots), rid
             else:
                 assert rid in self._waiting and seq.num_computed_tokens == 0, rid
+                assert seq.num_draft_slots == 0, f"{rid}: waiting with draft slots"
 
     def _get(self, request_id: str) -> Sequence:
         try:
