@@ -12,9 +12,10 @@
 With `pipelined`, step n+1 is scheduled and launched before step n's tokens are read back:
 rows whose input is the token sampled in step n carry a placeholder the runner fills on device.
 Requests with presence/frequency penalties need their last token on the host, so a step that has
-any is processed before the next is scheduled; so do requests that speculate (the proposal
-continues their last token).  A verify row brings up to k + 1 tokens at once: they go out as
-one event, cut at the first that ends the request (stop token or string, max_tokens).
+any is processed before the next is scheduled; so do requests that speculate, unless their step
+was full (the proposal continues their last token; a full step leaves no room for drafts).
+A verify row brings up to k + 1 tokens at once: they go out as one event, cut at the first
+that ends the request (stop token or string, max_tokens).
 """
 
 from __future__ import annotations
@@ -218,11 +219,19 @@ class LLMEngine:
             yield from self.step()
 
     def _needs_host_tokens(self) -> bool:
-        spec = self.scheduler.proposer is not None
-        return any(self._outputs[r.request_id].uses_penalties
-                   or (spec and self._outputs[r.request_id].request.speculative)
-                   for plan in self.scheduler.in_flight for r in plan.rows
-                   if r.request_id in self._outputs)
+        """Must the steps in flight be read back before the next is scheduled?  For rows with
+        penalties, and for speculating rows of a step that had sample rows to spare (the next
+        step likely has too, and their drafts continue the token in flight; a full step keeps
+        the pipeline and its rows decode one token)."""
+        rows = self.config.scheduler.max_num_seqs
+        for plan in self.scheduler.in_flight:
+            spec = self.scheduler.proposer is not None and plan.num_samples < rows
+            for r in plan.rows:
+                state = self._outputs.get(r.request_id)
+                if state is not None and (state.uses_penalties
+                                          or (spec and state.request.speculative)):
+                    return True
+        return False
 
     def _token_slot(self, request_id: str) -> int:
         if request_id not in self._token_slots:

@@ -53,7 +53,7 @@ from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import KVCache, Params, pack_params
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.runner.call_profile import CallProfile
-from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS, HostStep
+from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS, HostStep, sample_rows
 from xlaserve.serving.runner.sampling import SampleOutput
 from xlaserve.serving.runner.step_channel import Op, StepChannel
 from xlaserve.serving.runner.step_functions import forward_step, sample_step
@@ -124,19 +124,6 @@ class CallResult:
     def fetch(self) -> dict[str, np.ndarray]:
         host = jax.device_get(self.out)   # replicated: every process can read it
         return {name: np.asarray(v)[: self.rows] for name, v in host._asdict().items()}
-
-
-def sample_rows(rows: Sequence[RowInput]) -> tuple[tuple[int, ...], ...]:
-    """Each plan row's sample rows in position order: row i samples its last token in sample
-    row i (so plain rows keep their index); a verify row's k draft positions before it take
-    the rows after every plan row's, in order."""
-    extra = len(rows)
-    out = []
-    for i, row in enumerate(rows):
-        k = row.seq.num_draft
-        out.append(tuple(range(extra, extra + k)) + (i,))
-        extra += k
-    return tuple(out)
 
 
 class ModelRunner:
@@ -270,7 +257,7 @@ class ModelRunner:
     def run(self, rows: Sequence[RowInput]) -> CallResult:
         """One call over `rows` (decodes and prefill chunks alike), in their order."""
         host = self.host_step(rows)
-        order = sample_rows(rows)
+        order = sample_rows([row.seq.num_draft for row in rows])
         n = sum(len(o) for o in order)
         if self.channel is not None:
             self._require_leader("run")
@@ -355,7 +342,8 @@ class ModelRunner:
         logprobs = np.zeros(r, np.bool_)
         bias: np.ndarray | None = None
         at = 0
-        for i, (row, where) in enumerate(zip(rows, sample_rows(rows))):
+        order = sample_rows([row.seq.num_draft for row in rows])
+        for i, (row, where) in enumerate(zip(rows, order)):
             seq = row.seq
             k = seq.num_tokens
             if k < 1:

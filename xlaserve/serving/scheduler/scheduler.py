@@ -42,19 +42,9 @@ sequence with a placeholder is not re-admitted until update() fills it in. When 
 its samples never come: the engine ends the running requests and `drop_in_flight()` forgets
 every plan not yet updated.
 
-Speculative decoding (with a `SpeculativeConfig`). Once a step's rows are chosen, each decode
-row of a request that speculates and has no placeholder may take draft tokens from the
-proposer, up to k and what the budget, the rows of the largest bucket (max_num_seqs sample
-rows in all) and its max_tokens / max_model_len leave: it becomes a verify row
-[t, d1 .. dk] whose KV slots are reserved (Sequence.num_draft_slots) but whose drafts never
-enter all_token_ids. `update` takes its k + 1 samples, keeps the accepted ones
-(speculative/acceptance.py), moves num_computed_tokens past the accepted drafts and trims the
-KV reservation back to it, so rejected drafts hold no slot and never reach the prefix cache.
-The engine reads a speculating request's tokens back before scheduling it again (the proposal
-needs its last token), so a verify row never meets a placeholder.
-
-    all:  [p p p t P]      row (t, d1, d2), slots for 3      samples (d1, x, y): a = 1
-    after update: [p p p t d1 x]   num_computed = 5 (t, d1)   KV trimmed from 6 to 5 slots
+Speculative decoding (with a `SpeculativeConfig`): once a step's rows are chosen, decode rows
+may become verify rows of 1 + k tokens; `update` keeps the accepted drafts and trims the KV of
+the rest (drafts.py has the protocol).
 
 Prefix-cache hits are registered between steps (start of `schedule`, preemption, finish), so a
 hit always reads KV that an earlier device step wrote.
@@ -69,6 +59,7 @@ from dataclasses import dataclass, field
 
 from xlaserve.serving.kv_cache import KVCacheManager
 from xlaserve.serving.scheduler.config import SchedulerConfig
+from xlaserve.serving.scheduler.drafts import propose_drafts, settle_drafts
 from xlaserve.serving.scheduler.priority import priority_key, waiting_key
 from xlaserve.serving.scheduler.scheduler_stats import SchedulerStats
 from xlaserve.serving.scheduler.sequence import RequestState, Sequence, SequenceStatus
@@ -240,22 +231,8 @@ class Scheduler:
             out[rid] = accept_drafts(row.draft_token_ids, given[rid])
             seq.all_token_ids[row.sample_position] = out[rid][0]
             if row.num_draft:
-                self._settle_drafts(seq, row, out[rid])
+                settle_drafts(seq, row, out[rid], self.kv_cache, self.spec_stats)
         return out
-
-    def _settle_drafts(self, seq: Sequence, row: ScheduledSeq, kept: tuple[int, ...]) -> None:
-        """A verify row's samples came: the accepted drafts join the sequence as computed
-        tokens, the target's own token after them is its next input, and the KV slots of the
-        rejected drafts are given back."""
-        accepted = len(kept) - 1
-        seq.all_token_ids.extend(kept[1:])
-        seq.num_draft_tokens += row.num_draft
-        seq.num_accepted_tokens += accepted
-        self.spec_stats.observe(row.num_draft, accepted)
-        if seq.status is SequenceStatus.RUNNING:   # else preempted since: recomputed later
-            seq.num_computed_tokens += accepted
-            seq.num_draft_slots = 0
-            self.kv_cache.trim(seq.request_id, seq.num_computed_tokens)
 
     @property
     def in_flight(self) -> tuple[StepPlan, ...]:
@@ -332,29 +309,11 @@ class Scheduler:
         return self.kv_cache.unregistered_block_hashes(seq.request_id, known)
 
     def _propose(self, draft: _Draft) -> None:
-        """Give decode rows of speculating requests draft tokens, from what the step left:
-        budget, sample rows (max_num_seqs in all) and KV slots; never preempts for them."""
-        cfg = self.config
         assert self.proposer is not None
-        spare_rows = cfg.max_num_seqs - len(draft.entries)
-        for rid, (seq, n) in draft.entries.items():
-            if spare_rows < 1 or draft.budget < 1:
-                return
-            if n != 1 or seq.num_remaining != 1 or seq.num_pending or not seq.speculates:
-                continue
-            # the row emits 1 + k tokens at most: within max_tokens and max_model_len
-            room = min(seq.request.sampling.max_tokens - seq.num_output_tokens,
-                       cfg.max_model_len - seq.num_tokens) - 1
-            limit = min(room, spare_rows, draft.budget)
-            if limit < 1:
-                continue
-            tokens = self.proposer.propose(seq.all_token_ids, limit)
-            if not tokens or not self.kv_cache.allocate_slots(rid, len(tokens)):
-                continue
-            seq.num_draft_slots = len(tokens)
-            draft.drafts[rid] = tokens
-            draft.budget -= len(tokens)
-            spare_rows -= len(tokens)
+        drafts = propose_drafts(self.proposer, self.kv_cache, self.config,
+                                list(draft.entries.values()), draft.budget)
+        draft.drafts.update(drafts)
+        draft.budget -= sum(len(d) for d in drafts.values())
 
     def _emit(self, draft: _Draft) -> StepPlan:
         bs = self.config.block_size

@@ -30,13 +30,18 @@ class NgramProposer:
         if k < 1 or size <= c.prompt_lookup_min:
             return ()
         tokens = np.asarray(token_ids, dtype=np.int64)                     # [L]
-        for n in range(min(c.prompt_lookup_max, size - 1), c.prompt_lookup_min - 1, -1):
-            suffix = tokens[size - n:]                                       # [n]
-            # windows[i] = tokens[i:i+n] for every start i whose n-gram ends before the suffix
-            # starts to overlap its own end: i + n < size, so a token follows the match
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:size - 1], n)
-            hits = np.flatnonzero(np.all(windows == suffix, axis=1))        # starts, ascending
-            if hits.size:
-                start = int(hits[-1]) + n                                    # first token after
-                return tuple(int(t) for t in tokens[start:start + k])
-        return ()
+        # ends[j]: the positions i < L - 1 where an n-gram equal to the suffix of length n
+        # ends, for n = 1, 2, ...: one pass for n = 1, then a filter per longer n
+        ends = np.flatnonzero(tokens[:size - 1] == tokens[size - 1])
+        best = -1
+        for n in range(1, min(c.prompt_lookup_max, size - 1) + 1):
+            if n > 1:
+                ends = ends[ends >= n - 1]
+                ends = ends[tokens[ends - (n - 1)] == tokens[size - n]]
+            if not ends.size:
+                break
+            if n >= c.prompt_lookup_min:
+                best = int(ends[-1])              # the most recent match of the longest n
+        if best < 0:
+            return ()
+        return tuple(int(t) for t in tokens[best + 1:best + 1 + k])
