@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from tests.serving.scheduler.scheduler_helpers import req, rows, samples, step
 
+from tests.serving.scheduler.scheduler_helpers import req, rows, samples, step
 from xlaserve.serving.scheduler import Scheduler
 
 

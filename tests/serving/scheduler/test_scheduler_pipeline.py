@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from tests.serving.scheduler.scheduler_helpers import req, rows, samples, token_for
 
+from tests.serving.scheduler.scheduler_helpers import req, rows, samples, token_for
 from xlaserve.serving.scheduler import PENDING_TOKEN, Scheduler, StepPlan
 from xlaserve.serving.types import Tier
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tests.serving.scheduler.scheduler_helpers import req, rows, samples, step, token_for
-
 from xlaserve.serving.scheduler import Scheduler
 from xlaserve.serving.types import Tier
 

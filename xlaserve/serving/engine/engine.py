@@ -220,12 +220,13 @@ class LLMEngine:
 
     def _needs_host_tokens(self) -> bool:
         """Must the steps in flight be read back before the next is scheduled?  For rows with
-        penalties, and for speculating rows of a step that had sample rows to spare (the next
-        step likely has too, and their drafts continue the token in flight; a full step keeps
-        the pipeline and its rows decode one token)."""
+        penalties, and for speculating rows of a step that verified drafts or had sample rows
+        to spare (the next step likely has too, and their drafts continue the token in flight;
+        a full step keeps the pipeline and its rows decode one token)."""
         rows = self.config.scheduler.max_num_seqs
         for plan in self.scheduler.in_flight:
-            spec = self.scheduler.proposer is not None and plan.num_samples < rows
+            spec = self.scheduler.proposer is not None and (
+                plan.num_samples < rows or any(r.num_draft for r in plan.rows))
             for r in plan.rows:
                 state = self._outputs.get(r.request_id)
                 if state is not None and (state.uses_penalties
