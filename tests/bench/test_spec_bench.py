@@ -33,5 +33,6 @@ def test_lookup_workload_repeats_the_start_of_its_text(tiny_llama) -> None:
     work = spec.build(Tokenizer.load(ours), seed=0, num_requests=3)
     for r in work.requests:
         ids = list(r.prompt_token_ids)
-        n = next(n for n in range(len(ids)) if n + 1 + n // 4 == len(ids))   # the text        assert ids[n + 1:] == ids[:n // 4] and spec.prompt_min <= n <= spec.prompt_max
+        n = next(n for n in range(len(ids)) if n + 1 + n // 4 == len(ids))   # the text
+        assert ids[n + 1:] == ids[:n // 4] and spec.prompt_min <= n <= spec.prompt_max
         assert len(ids) + r.num_output_tokens <= spec.max_model_len
