@@ -122,3 +122,37 @@ def test_abort_mid_verification_frees_every_block(warm_engine, smollm2, corpus_i
     assert [ev.finish_reason for ev in events if ev.request_id == "a"] == ["abort"]
     assert [ev.finish_reason for ev in events if ev.finished] == ["abort", "length"]
     assert engine.scheduler.kv_cache.usage().num_used_blocks == 0
+
+
+def test_failed_verify_step_errors_its_request_and_serves_the_next(
+        warm_engine, smollm2, corpus_ids, monkeypatch) -> None:
+    """The first verify step's results are lost on device: its request ends with "error",
+    every block (draft slots too) is freed, and a request after it is served with drafts."""
+    from tests.serving.engine.test_step_failure import run_with_recovery
+
+    engine = new_engine(warm_engine, smollm2, speculative=SPEC)
+    real, lost = engine.runner.run, []
+
+    def run(rows):
+        result = real(rows)
+        if not lost and any(r.seq.num_draft for r in rows):
+            lost.append(len(rows))
+            result.out.tokens.delete()     # reading it back raises, as a failed step would
+        return result
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    rng = np.random.default_rng(5)
+    engine.add(request("a", lookup_prompt(corpus_ids, rng, 120), max_tokens=24,
+                       ignore_eos=True))
+    out = run_with_recovery(engine)
+    assert lost and out["a"][-1].finish_reason == "error"
+    assert engine.scheduler.kv_cache.usage().num_used_blocks == 0
+    drafts = engine.scheduler.spec_stats.num_drafts
+    engine.add(request("b", lookup_prompt(corpus_ids, rng, 120), max_tokens=24,
+                       ignore_eos=True))
+    done: list[EngineEvent] = []
+    while engine.has_work():
+        done += engine.step()
+        engine.scheduler.check_integrity()
+    assert done[-1].finish_reason == "length" and sum(len(e.token_ids) for e in done) == 24
+    assert engine.scheduler.spec_stats.num_drafts > drafts
