@@ -23,6 +23,16 @@ def _startup(args: argparse.Namespace) -> int:
     return startup_main(args.model, args.variant_layers, args.chunk, args.width, args.json)
 
 
+def _spec(args: argparse.Namespace) -> int:
+    from xlaserve.bench.speculative import spec_main
+    from xlaserve.serving.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=args.ngram_max,
+                             prompt_lookup_min=args.ngram_min)
+    return spec_main(args.model, args.workload, args.mode, args.rounds, spec,
+                     args.num_requests, args.json)
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
@@ -139,6 +149,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--width", type=int, default=16, help="block-table width of both buckets")
     s.add_argument("--json", help="write the rows as JSON")
     s.set_defaults(fn=_startup)
+
+    sp = bsub.add_parser("spec", help="a workload without and with n-gram speculation, "
+                         "interleaved: single-stream TPOT or batch throughput")
+    sp.add_argument("--model", required=True, help="model folder written by `xlaserve convert`")
+    sp.add_argument("--workload", default="lookup", help="a named workload (default lookup)")
+    sp.add_argument("--mode", default="single", choices=("single", "batch"))
+    sp.add_argument("--rounds", type=int, default=2, help="passes per system, interleaved")
+    sp.add_argument("--num-requests", type=int, default=None)
+    sp.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    sp.add_argument("--ngram-max", type=int, default=4, help="prompt_lookup_max")
+    sp.add_argument("--ngram-min", type=int, default=2, help="prompt_lookup_min")
+    sp.add_argument("--json", default=None, help="write every figure here")
+    sp.set_defaults(fn=_spec)
 
     lay = bsub.add_parser("layouts", help="per-device parameter and KV bytes on mesh layouts")
     lay.add_argument("--model", required=True, help="model folder (only its config is read)")

@@ -78,6 +78,9 @@ class WorkloadSpec:
     max_num_seqs: int = 32
     prefill_chunk: int = 256
     block_size: int = 16
+    # the prompt is its corpus window then the window's first quarter again, so the model
+    # goes on copying the text (editing / repeating a given text: prompt lookup's case)
+    repeat: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.prompt_min <= self.prompt_max:
@@ -106,13 +109,16 @@ class WorkloadSpec:
         requests = []
         for i, (p, m) in enumerate(zip(prompt_lens, outputs)):
             start = int(rng.integers(0, len(corpus) - p))
-            requests.append(BenchRequest(f"{self.name}-{i}", tuple(corpus[start:start + p]),
-                                         int(m)))
+            ids = corpus[start:start + p]
+            if self.repeat:
+                ids = ids + corpus[:1] + ids[: p // 4]
+            requests.append(BenchRequest(f"{self.name}-{i}", tuple(ids), int(m)))
         return Workload(self.name, seed, tuple(requests))
 
     @property
     def max_model_len(self) -> int:
-        return _round_up(self.prompt_max + self.output_max, self.block_size)
+        longest = self.prompt_max + (1 + self.prompt_max // 4 if self.repeat else 0)
+        return _round_up(longest + self.output_max, self.block_size)
 
     def engine_config(self, batch: int = 1) -> EngineConfig:
         """An engine sized for this workload whose runner also serves static batches of
@@ -139,6 +145,10 @@ WORKLOADS: dict[str, WorkloadSpec] = {
                      "~14.8k prompt tokens for SmolLM2), outputs 8-160 (~5.2k): prefill-heavy",
                      num_requests=96, prompt_min=24, prompt_max=300, output_min=8,
                      output_max=160, output_median=48.0, output_sigma=0.6),
+        WorkloadSpec("lookup", "16 requests, a 128-512 token text of the corpus, a newline and "
+                     "its first quarter again (the model goes on copying it), outputs 64-128",
+                     num_requests=16, prompt_min=128, prompt_max=512, output_min=64,
+                     output_max=128, output_median=96.0, output_sigma=0.3, repeat=True),
         WorkloadSpec("tiny", "4 requests, prompts 8-40 tokens, outputs 1-12 (tests)",
                      num_requests=4, prompt_min=8, prompt_max=40, output_min=1,
                      output_max=12, output_median=4.0, output_sigma=1.0, max_num_seqs=4,

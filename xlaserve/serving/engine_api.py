@@ -54,6 +54,11 @@ class EngineStats:
     prefix_cache_hits: int = 0        # of those, tokens found (cumulative)
     num_preemptions: int = 0          # cumulative
     num_finished: int = 0             # cumulative, any finish_reason
+    spec_num_drafts: int = 0          # speculative verify rows run (cumulative)
+    spec_num_draft_tokens: int = 0    # draft tokens verified (cumulative)
+    spec_num_accepted_tokens: int = 0  # of those, accepted (cumulative)
+    # spec_acceptance_counts[a]: verify rows that accepted exactly a drafts (cumulative)
+    spec_acceptance_counts: tuple[int, ...] = ()
 
     @property
     def kv_usage(self) -> float:

@@ -28,7 +28,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from xlaserve.serving.engine_api import AsyncEngine
@@ -65,7 +70,13 @@ class _EngineCollector(Collector):
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
             ("num_preemptions", "Requests preempted (recomputed later)"),
+            ("spec_decode_num_drafts", "Speculative verify rows run (a row with drafts)"),
+            ("spec_decode_num_draft_tokens", "Speculative draft tokens proposed and verified"),
+            ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted"),
         ]}
+        accepted = HistogramMetricFamily(
+            "xlaserve_spec_decode_acceptance_length", "Tokens a speculative verify row emitted: "
+            "its accepted drafts plus the target model's own token", labels=labels)
         for model, replica, engine in self._sources():
             try:
                 s, costs = engine.stats(), engine.service_costs()
@@ -81,11 +92,18 @@ class _EngineCollector(Collector):
             c["prefix_cache_queries"].add_metric(lv, s.prefix_cache_queries)
             c["prefix_cache_hits"].add_metric(lv, s.prefix_cache_hits)
             c["num_preemptions"].add_metric(lv, s.num_preemptions)
+            c["spec_decode_num_drafts"].add_metric(lv, s.spec_num_drafts)
+            c["spec_decode_num_draft_tokens"].add_metric(lv, s.spec_num_draft_tokens)
+            c["spec_decode_num_accepted_tokens"].add_metric(lv, s.spec_num_accepted_tokens)
+            if s.spec_num_drafts:
+                accepted.add_metric(lv, _cumulative(s.spec_acceptance_counts),
+                                    s.spec_num_drafts + s.spec_num_accepted_tokens)
             g["step_seconds"].add_metric(lv, costs.step_s)
             g["step_max_running"].add_metric(lv, costs.max_running)
             g["prefill_tokens_per_second"].add_metric(lv, costs.prefill_tokens_per_s)
         yield from g.values()
         yield from c.values()
+        yield accepted
         yield self._info()
 
     def _info(self) -> Metric:
@@ -139,6 +157,16 @@ class ChoiceTimes:
     first: float         # its first token arrived (0: none did)
     last: float          # its last token arrived
     tokens: int
+
+
+def _cumulative(counts: tuple[int, ...]) -> list[tuple[str, float]]:
+    """Histogram buckets of acceptance lengths 1 .. k + 1 from counts[a] of rows that
+    accepted a drafts (length a + 1), cumulative, with +Inf."""
+    out, total = [], 0
+    for a, n in enumerate(counts):
+        total += n
+        out.append((str(a + 1), float(total)))
+    return out + [("+Inf", float(total))]
 
 
 class Metrics:

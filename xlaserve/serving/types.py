@@ -88,6 +88,7 @@ class GenerationRequest:
     tenant: str = ""              # salts prefix-cache hashes: no cross-tenant sharing
     deadline: float | None = None  # absolute monotonic time, for priority
     arrival_time: float = 0.0
+    speculative: bool = True      # may verify draft tokens, where the model speculates
 
 
 @dataclass(frozen=True)

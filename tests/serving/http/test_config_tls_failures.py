@@ -23,6 +23,12 @@ def test_presets_load():
     assert (c.host, c.port, c.auth.mode) == ("127.0.0.1", 8000, "none")
     assert c.models[0].id == "smollm2@135m-instruct"
     assert c.models[0].engine_args["max_model_len"] == 2048
+    ngram = load_config(CONFIGS / "smollm2-ngram.toml").models[0]
+    from xlaserve.serving.engine.config import EngineConfig
+    from xlaserve.serving.speculative import SpeculativeConfig
+
+    assert EngineConfig.from_args(ngram.engine_args).speculative == SpeculativeConfig(
+        "ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
     g = load_config(CONFIGS / "gateway-example.toml")
     assert g.auth.mode == "rs256" and g.auto is not None and g.auto.threshold_tokens == 512
     assert g.tier_limits(Tier.FREE).requests_per_minute == 20

@@ -116,3 +116,25 @@ def test_filters_over_a_large_vocabulary_keep_exactly_their_tokens(shape, kw):
     assert got <= want
     if len(want) <= 64:
         assert got == want
+
+
+def test_top_p_row_draws_the_same_whether_or_not_a_wide_row_shares_the_step() -> None:
+    """A row whose top-p set fits the candidates draws the same token when another row of the
+    step needs the whole sorted vocabulary (the step then takes the sorted branch)."""
+    from xlaserve.serving.runner.sampling import CANDIDATES
+
+    v, rows = 2 * CANDIDATES, 64
+    rng = np.random.default_rng(1)
+    peaked = rng.standard_normal((rows, v)).astype(np.float32) * 4     # sets fit: ~10 tokens
+    flat = np.zeros((rows, v), np.float32)                             # 0.99 of it: ~500
+
+    def arrays(top_p: np.ndarray) -> SamplingArrays:
+        return SamplingArrays(jnp.ones(rows), jnp.zeros(rows, jnp.int32), jnp.asarray(top_p),
+                              jnp.zeros(rows), jnp.arange(rows, dtype=jnp.uint32) + 9,
+                              jnp.arange(rows, dtype=jnp.int32), jnp.zeros((rows, v)))
+
+    alone = _sample(jnp.asarray(peaked), arrays(np.full(rows, 0.9, np.float32)))
+    mixed_logits = np.where((np.arange(rows) % 2 == 1)[:, None], flat, peaked)
+    top_p = np.where(np.arange(rows) % 2 == 1, 0.99, 0.9).astype(np.float32)
+    mixed = _sample(jnp.asarray(mixed_logits), arrays(top_p))
+    assert np.array_equal(np.asarray(mixed.tokens)[::2], np.asarray(alone.tokens)[::2])

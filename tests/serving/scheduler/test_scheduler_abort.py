@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from tests.serving.scheduler.scheduler_helpers import req, rows, samples, step
 
+from tests.serving.scheduler.scheduler_helpers import req, rows, samples, step
 from xlaserve.serving.scheduler import Scheduler
 
 
@@ -65,8 +65,8 @@ def test_abort_with_rows_in_flight(make: Callable[..., Scheduler]) -> None:
     p0 = s.schedule(0.0)
     p1 = s.schedule(0.0)                 # one step ahead: both rows in flight twice
     s.abort("A")
-    assert s.update(p0, samples(p0)) == {"B": samples(p0)["B"]}
-    assert s.update(p1, samples(p1)) == {"B": samples(p1)["B"]}
+    assert s.update(p0, samples(p0)) == {"B": (samples(p0)["B"],)}
+    assert s.update(p1, samples(p1)) == {"B": (samples(p1)["B"],)}
     s.abort("B")
     assert_all_free(s)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from tests.serving.scheduler.scheduler_helpers import req, rows, samples, token_for
 
+from tests.serving.scheduler.scheduler_helpers import req, rows, samples, token_for
 from xlaserve.serving.scheduler import PENDING_TOKEN, Scheduler, StepPlan
 from xlaserve.serving.types import Tier
 
@@ -21,11 +21,11 @@ def test_one_step_ahead_placeholders(make: Callable[..., Scheduler]) -> None:
     assert p1.decodes[0].token_ids == (PENDING_TOKEN,)
     assert p1.decodes[0].slot_mapping == (2 * 4 + 1,)      # position 5 in block 2
     assert s.request_state("A").output_token_ids == (PENDING_TOKEN, PENDING_TOKEN)
-    assert s.update(p0, {"A": 42}) == {"A": 42}
+    assert s.update(p0, {"A": 42}) == {"A": (42,)}
     p2 = s.schedule(0.0)
     assert rows(p2) == [("A", 6, 1, True)] and p2.decodes[0].token_ids == (PENDING_TOKEN,)
-    assert s.update(p1, {"A": 7}) == {"A": 7}
-    assert s.update(p2, {"A": 8}) == {"A": 8}
+    assert s.update(p1, {"A": 7}) == {"A": (7,)}
+    assert s.update(p2, {"A": 8}) == {"A": (8,)}
     assert s.request_state("A").output_token_ids == (42, 7, 8)
     p3 = s.schedule(0.0)                                   # alternating again: real token
     assert p3.decodes[0].token_ids == (8,)
@@ -63,11 +63,11 @@ def test_finish_in_step_n_while_scheduled_in_n_plus_1(make: Callable[..., Schedu
     p0 = s.schedule(0.0)
     p1 = s.schedule(0.0)
     assert [r.request_id for r in p1.decodes] == ["A", "B"]
-    assert s.update(p0, {"A": 2, "B": 3}) == {"A": 2, "B": 3}
+    assert s.update(p0, {"A": 2, "B": 3}) == {"A": (2,), "B": (3,)}
     s.finish("A", "stop")                                  # A sampled eos in step 0
     assert s.stats().kv_cache.num_used_blocks == 2         # only B's blocks are held
     assert s.kv_cache.request_ids() == {"B"}
-    assert s.update(p1, {"A": 9, "B": 4}) == {"B": 4}      # A's extra row is discarded
+    assert s.update(p1, {"A": 9, "B": 4}) == {"B": (4,)}    # A's extra row is discarded
     p2 = s.schedule(0.0)
     assert rows(p2) == [("B", 7, 1, True)]
     s.update(p2, {"B": 5})
@@ -122,7 +122,7 @@ def test_drop_in_flight_after_a_failed_step(make: Callable[..., Scheduler]) -> N
     s.kv_cache.pool.forget_hashes()                        # the device KV is gone too
     p = s.schedule(0.0)                                    # B prefills its prompt again
     assert sorted(rows(p)) == [("B", 0, 7, True), ("C", 0, 3, True)]
-    assert s.update(p, samples(p)) == samples(p)
+    assert s.update(p, samples(p)) == {rid: (t,) for rid, t in samples(p).items()}
     s.check_integrity()
     s.abort("B")
     s.abort("C")
@@ -134,7 +134,7 @@ def drive(s: Scheduler, ahead: bool, max_steps: int = 500) -> dict[str, list[int
     pending: list[StepPlan] = []
 
     def resolve(plan: StepPlan) -> None:
-        for rid, tok in s.update(plan, samples(plan)).items():
+        for rid, (tok,) in s.update(plan, samples(plan)).items():
             out.setdefault(rid, []).append(tok)
             if tok % 7 == 0:                               # the fake model's "eos"
                 s.finish(rid, "stop")

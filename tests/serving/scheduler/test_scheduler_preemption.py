@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tests.serving.scheduler.scheduler_helpers import req, rows, samples, step, token_for
-
 from xlaserve.serving.scheduler import Scheduler
 from xlaserve.serving.types import Tier
 
@@ -109,7 +108,7 @@ def test_everything_completes_under_pressure(make: Callable[..., Scheduler]) -> 
         if not s.has_unfinished:
             break
         plan = s.schedule(0.0)
-        for rid, tok in s.update(plan, samples(plan)).items():
+        for rid, (tok,) in s.update(plan, samples(plan)).items():
             outputs[rid].append(tok)
             if s.length_finish_reason(rid):
                 s.finish(rid, "length")

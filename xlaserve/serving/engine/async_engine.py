@@ -213,7 +213,10 @@ class ThreadedEngine:
             kv_blocks_cached=kv.num_cached_free_blocks,
             prefix_cache_queries=s.prefix_cache.queried_tokens,
             prefix_cache_hits=s.prefix_cache.hit_tokens,
-            num_preemptions=s.num_preemptions, num_finished=s.num_finished)
+            num_preemptions=s.num_preemptions, num_finished=s.num_finished,
+            spec_num_drafts=s.spec.num_drafts, spec_num_draft_tokens=s.spec.num_draft_tokens,
+            spec_num_accepted_tokens=s.spec.num_accepted_tokens,
+            spec_acceptance_counts=tuple(s.spec.acceptance_counts))
 
     def service_costs(self) -> ServiceCosts:
         """The engine thread's latest measure of its step costs (calibrated in warm-up)."""

@@ -5,7 +5,8 @@ SchedulerConfig), the bucket plan's lower bounds, the attention backend, the dev
         -> EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4), pipelined=False, mesh=...)
 
 `from_args` takes the flat keys `[[models]] engine_args` uses: a scheduler knob by its own name,
-anything else an EngineConfig field; `with_args` changes some of them on a copy.
+anything else an EngineConfig field; `with_args` changes some of them on a copy.  `speculative`
+takes a SpeculativeConfig or its table (`{ method = "ngram", num_speculative_tokens = 4 }`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.scheduler.config import SchedulerConfig
+from xlaserve.serving.speculative import SpeculativeConfig
 from xlaserve.sharding.mesh import MeshConfig
 
 _SCHEDULER_KEYS = frozenset(f.name for f in fields(SchedulerConfig))
@@ -36,6 +38,7 @@ class EngineConfig:
     # Devices: each of `mesh.replicas` engines runs on its own `pipeline x tensor` mesh
     # (serving/engine/replicas.py builds the meshes, parameters and engines).
     mesh: MeshConfig = MeshConfig()  # noqa: RUF009 - frozen, so one shared default is safe
+    speculative: SpeculativeConfig | None = None   # draft tokens verified per step; None: off
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -49,6 +52,8 @@ class EngineConfig:
                              f"{['auto', *KV_DTYPES]}")
         if not isinstance(self.mesh, MeshConfig):
             raise TypeError(f"mesh must be a sharding.mesh.MeshConfig, got {self.mesh!r}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise TypeError(f"speculative must be a SpeculativeConfig, got {self.speculative!r}")
         self.bucket_plan  # validates the buckets' share
 
     @staticmethod
@@ -71,6 +76,8 @@ class EngineConfig:
                              f"{sorted(self.arg_names())}")
         sched = {k: v for k, v in merged.items() if k in _SCHEDULER_KEYS}
         rest = {k: v for k, v in merged.items() if k not in _SCHEDULER_KEYS}
+        if isinstance(rest.get("speculative"), Mapping):
+            rest["speculative"] = SpeculativeConfig.from_dict(rest["speculative"])
         return replace(self, scheduler=replace(self.scheduler, **sched), **rest)
 
     @property

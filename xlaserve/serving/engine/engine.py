@@ -12,10 +12,15 @@
 With `pipelined`, step n+1 is scheduled and launched before step n's tokens are read back:
 rows whose input is the token sampled in step n carry a placeholder the runner fills on device.
 Requests with presence/frequency penalties need their last token on the host, so a step that has
-any is processed before the next is scheduled.  Constrained requests (structured outputs) need it
-too, for their next allowed-token mask, but only for the sampler: a step with constrained rows
-is scheduled and its forward launched as usual, and the step before it is processed (tokens
-read, grammars advanced, masks made) while that forward runs; only its sampler waits.
+any is processed before the next is scheduled; so do requests that speculate, unless their step
+was full (the proposal continues their last token; a full step leaves no room for drafts).
+A verify row brings up to k + 1 tokens at once: they go out as one event, cut at the first
+that ends the request (stop token or string, max_tokens).  Constrained requests (structured
+outputs) need their last token too, for their next allowed-token mask, but only for the
+sampler: a step with constrained rows is scheduled and its forward launched as usual, and the
+step before it is processed (tokens read, grammars advanced, masks made) while that forward
+runs; only its sampler waits.  (Constrained requests do not speculate: a draft position's mask
+would need the grammar advanced by drafts not yet accepted.)
 
     pipelined, constrained rows in step n+1:
       host    schedule n+1 | launch fwd n+1 | process n, masks n+1 | launch sample n+1 | ...
@@ -116,7 +121,7 @@ class LLMEngine:
         self.model_config = config
         self.config = engine_config
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(engine_config.scheduler)
+        self.scheduler = Scheduler(engine_config.scheduler, engine_config.speculative)
         s = engine_config.scheduler
         if runner is None:
             runner = ModelRunner(params, config, mesh, num_blocks=s.num_kv_blocks,
@@ -234,9 +239,20 @@ class LLMEngine:
             yield from self.step()
 
     def _needs_host_tokens(self) -> bool:
-        return any(self._outputs[r.request_id].uses_penalties
-                   for plan in self.scheduler.in_flight for r in plan.rows
-                   if r.request_id in self._outputs)
+        """Must the steps in flight be read back before the next is scheduled?  For rows with
+        penalties, and for speculating rows of a step that verified drafts or had sample rows
+        to spare (the next step likely has too, and their drafts continue the token in flight;
+        a full step keeps the pipeline and its rows decode one token)."""
+        rows = self.config.scheduler.max_num_seqs
+        for plan in self.scheduler.in_flight:
+            spec = self.scheduler.proposer is not None and (
+                plan.num_samples < rows or any(r.num_draft for r in plan.rows))
+            for r in plan.rows:
+                state = self._outputs.get(r.request_id)
+                if state is not None and (state.uses_penalties
+                                          or (spec and state.request.speculative)):
+                    return True
+        return False
 
     def _token_slot(self, request_id: str) -> int:
         if request_id not in self._token_slots:
@@ -288,9 +304,9 @@ class LLMEngine:
         del self._calls[step_id]
 
     def _process(self, launched: _Launched) -> None:
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprob] = {}
         t0 = t1 = time.perf_counter()
+        sampled: dict[str, tuple[int, ...]] = {}
+        logprobs: dict[str, tuple[TokenLogprob, ...]] = {}
         if launched.call is not None:
             waited = not launched.call.ready()
             host = launched.call.fetch()
@@ -300,36 +316,62 @@ class LLMEngine:
                 self.costs.observe(plan.num_seqs, sum(r.num_tokens for r in plan.prefills),
                                    took)
             t1 = time.perf_counter()
-            for i, row in enumerate(launched.plan.rows):
-                if not row.sample:
-                    continue
-                sampled[row.request_id] = int(host["tokens"][i])
-                k = self._outputs[row.request_id].request.sampling.logprobs \
-                    if row.request_id in self._outputs else None
-                if k is not None:
-                    top = tuple((int(t), float(lp)) for t, lp in
-                                zip(host["top_ids"][i][:k], host["top_logprobs"][i][:k]))
-                    logprobs[row.request_id] = TokenLogprob(int(host["tokens"][i]),
-                                                            float(host["logprob"][i]), top)
+            sampled, logprobs = self._samples(launched, host)
         self.host_time.wait += t1 - t0
         live = self.scheduler.update(launched.plan, sampled)
         events = self._ready   # appended as made: a later failure still returns them
-        for rid, token in live.items():
-            state = self._outputs[rid]
-            event, reason = state.accept(token, logprobs.get(rid))
-            if reason is None:
+        for rid, tokens in live.items():
+            events.append(self._emit(rid, tokens, logprobs.get(rid, ())))
+        self.host_time.process += time.perf_counter() - t1
+
+    def _samples(self, launched: _Launched, host: dict
+                 ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[TokenLogprob, ...]]]:
+        """Each sampling row's tokens (k + 1 for a verify row) and, where asked, logprobs."""
+        assert launched.call is not None
+        sampled: dict[str, tuple[int, ...]] = {}
+        logprobs: dict[str, tuple[TokenLogprob, ...]] = {}
+        for row, where in zip(launched.plan.rows, launched.call.sample_rows):
+            if not row.sample:
+                continue
+            rid = row.request_id
+            sampled[rid] = tuple(int(host["tokens"][j]) for j in where)
+            k = self._outputs[rid].request.sampling.logprobs if rid in self._outputs else None
+            if k is not None:
+                logprobs[rid] = tuple(
+                    TokenLogprob(int(host["tokens"][j]), float(host["logprob"][j]),
+                                 tuple((int(t), float(lp)) for t, lp in
+                                       zip(host["top_ids"][j][:k], host["top_logprobs"][j][:k])))
+                    for j in where)
+        return sampled, logprobs
+
+    def _emit(self, rid: str, tokens: tuple[int, ...],
+              logprobs: tuple[TokenLogprob, ...]) -> EngineEvent:
+        """One event for the tokens `rid` gained this step, up to the one that ends it (the
+        request is then finished and the event carries finish_reason and usage)."""
+        state = self._outputs[rid]
+        ids: list[int] = []
+        text: list[str] = []
+        lps: list[TokenLogprob] = []
+        reason = None
+        for i, token in enumerate(tokens):
+            event, reason = state.accept(token, logprobs[i] if logprobs else None)
+            ids.extend(event.token_ids)
+            text.append(event.text)
+            lps.extend(event.logprobs)
+            if reason is None and (len(state.output_ids) >= state.request.sampling.max_tokens
+                                   or i == len(tokens) - 1):
                 reason = self.scheduler.length_finish_reason(rid)
                 if reason is not None:
                     tail, stopped = state.flush_text()
                     reason = "stop" if stopped else reason   # a stop string matched last
-                    event = EngineEvent(rid, event.token_ids, event.text + tail, event.logprobs)
-            if reason is None:
-                events.append(event)
-                continue
-            final = self._final(rid, reason, self.scheduler.finish(rid, reason))
-            events.append(EngineEvent(rid, event.token_ids, event.text, event.logprobs,
-                                      final.finish_reason, final.usage))
-        self.host_time.process += time.perf_counter() - t1
+                    text.append(tail)
+            if reason is not None:
+                break
+        if reason is None:
+            return EngineEvent(rid, tuple(ids), "".join(text), tuple(lps))
+        final = self._final(rid, reason, self.scheduler.finish(rid, reason))
+        return EngineEvent(rid, tuple(ids), "".join(text), tuple(lps), final.finish_reason,
+                           final.usage)
 
     def fail_in_flight(self, error: str) -> list[EngineEvent]:
         """`step()` raised, at launch or when reading results back, and the donated KV arrays

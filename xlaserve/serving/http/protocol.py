@@ -70,7 +70,7 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
            "seed", "presence_penalty", "frequency_penalty", "logprobs", "stream",
            "stream_options", "priority", "ignore_eos", "response_format", "guided_json",
-           "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
+           "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "speculative"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                          "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
@@ -90,6 +90,7 @@ class ParsedRequest:
     include_usage: bool = False
     logprobs: int | None = None       # top-k alternatives wanted; None = no logprobs
     priority: int = 0
+    speculative: bool = True          # false: this request never verifies draft tokens
     user: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
     constraint: Constraint | None = None   # what the output must match (http/structured.py)
@@ -220,6 +221,11 @@ def _parse_common(body: dict[str, Any], kind: str, max_n: int) -> ParsedRequest:
         p.include_usage = bool(iu)
     prio = _int(body, "priority", -1000, 1000)
     p.priority = prio or 0
+    spec = body.get("speculative")   # our extension: opt out of speculative decoding
+    if spec is not None:
+        if not isinstance(spec, bool):
+            raise _type_error("speculative", "a boolean", spec)
+        p.speculative = spec
     user = body.get("user")
     if user is not None:
         p.user = _text(user, "user")

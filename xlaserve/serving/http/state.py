@@ -163,7 +163,8 @@ class Generation:
                 rid = state.new_engine_id(a.trace.request_id if fan == 1
                                           else f"{a.trace.request_id}-{i}")
                 req = GenerationRequest(rid, list(ids), s, a.principal.tier, a.parsed.priority,
-                                        a.principal.tenant, None, a.arrived)
+                                        a.principal.tenant, None, a.arrived,
+                                        a.parsed.speculative)
                 replica = self.group.pick(ids, a.principal.tenant)
                 replica.inflight += 1
                 replica.routed += 1

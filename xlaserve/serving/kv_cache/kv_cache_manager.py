@@ -11,6 +11,9 @@ A request's life in the cache (the scheduler drives it; all ids are physical blo
                                        and no change when the pool is short.
     cache_blocks(id, tokens, k)        the first k tokens are (being) computed: register every
                                        newly full block among them under its chained hash
+    trim(id, n)                        keep slots for the first n tokens only (speculative
+                                       decoding gives back rejected drafts' slots): blocks past
+                                       them, never hashed, go back to the free list
     free(id)                           ref -= 1 on every block, last block first, so a request's
                                        tail is evicted before its prefix
 
@@ -209,6 +212,21 @@ class KVCacheManager:
         for h in self._next_hashes(state, token_ids[:num_tokens]):
             self.pool.cache(state.table[len(state.hashes)], h)  # False: a duplicate, unhashed
             state.hashes.append(h)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the request's reserved slots to its first `num_tokens` (rejected draft
+        tokens' slots); blocks no longer needed are freed.  They hold no hash: only computed,
+        known tokens are ever registered, and a trim never goes below those."""
+        state = self._get(request_id)
+        if not len(state.hashes) * self.block_size <= num_tokens <= state.num_tokens:
+            raise ValueError(f"request {request_id!r}: cannot trim to {num_tokens} tokens "
+                             f"({state.num_tokens} reserved, {len(state.hashes)} blocks hashed)")
+        keep = self.blocks_needed(num_tokens)
+        dropped = state.table[keep:]
+        assert all(self.pool.hash_of(b) is None for b in dropped), (request_id, dropped)
+        del state.table[keep:]
+        state.num_tokens = num_tokens
+        self.pool.free(reversed(dropped))
 
     def free(self, request_id: str) -> None:
         """Release every block of the request; hashed ones stay cached until evicted."""

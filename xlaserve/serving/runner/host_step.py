@@ -13,14 +13,16 @@ import numpy as np
 
 class HostStep(NamedTuple):
     """One call's padded host inputs: T tokens of R rows, flat, block tables W wide.  Plain
-    numpy, so process 0 can hand it to the other processes of a multi-host mesh as it is."""
+    numpy, so process 0 can hand it to the other processes of a multi-host mesh as it is.
+    R counts sample rows: one per plan row (at its index, its table in block_tables[i]),
+    then one per draft token of its verify rows (`sample_rows`), their tables unused."""
 
     tokens: np.ndarray        # [T] int32, PENDING_TOKEN = take from its row's token slot
     positions: np.ndarray     # [T] int32
     token_rows: np.ndarray    # [T] int32, -1 = padding
     slot_mapping: np.ndarray  # [T] int32, padding writes the null block
     block_tables: np.ndarray  # [R, W] int32
-    logits_index: np.ndarray  # [R] int32: the token whose logits the row samples from
+    logits_index: np.ndarray  # [R] int32: the token whose logits sample row r samples from
     row_slot: np.ndarray      # [R] int32
     sample_mask: np.ndarray   # [R] bool
     temperature: np.ndarray   # [R] float32
@@ -67,6 +69,21 @@ class HostStep(NamedTuple):
                          self.logprobs.astype(np.int32)])
         tokens = np.stack([self.tokens, self.positions, self.token_rows, self.slot_mapping])
         return rows, tokens, self.block_tables
+
+
+def sample_rows(num_drafts: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Each plan row's sample rows in position order, from its draft count: row i samples its
+    last token in sample row i (so plain rows keep their index); a verify row's k draft
+    positions before it take the rows after every plan row's, in order.
+
+        num_drafts (0, 2, 0, 1)  ->  ((0,), (4, 5, 1), (2,), (6, 3))
+    """
+    extra = len(num_drafts)
+    out = []
+    for i, k in enumerate(num_drafts):
+        out.append(tuple(range(extra, extra + k)) + (i,))
+        extra += k
+    return tuple(out)
 
 
 # the rows of HostStep.packed()'s buffers

@@ -54,7 +54,7 @@ from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import KVCache, Params, pack_params
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.runner.call_profile import CallProfile
-from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS, HostStep
+from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS, HostStep, sample_rows
 from xlaserve.serving.runner.row_input import GREEDY, MaskSource, RowInput, RowSampling
 from xlaserve.serving.runner.sampling import SampleOutput
 from xlaserve.serving.runner.step_channel import Op, StepChannel
@@ -83,11 +83,14 @@ def log_backend(requested: str, chosen: str, platform: str, dtype: str) -> None:
 
 @dataclass(frozen=True)
 class CallResult:
-    """Device outputs of one call; `rows` of them are real, the rest padding."""
+    """Device outputs of one call; `rows` of them are real, the rest padding.  Plan row i's
+    samples are at `sample_rows[i]`, in position order: (i,) for a plain row, the draft
+    positions' extra rows then i for a verify row."""
 
     rows: int
     out: SampleOutput
     bucket: tuple[int, int, int]   # (rows, tokens, width) of the compiled call
+    sample_rows: tuple[tuple[int, ...], ...] = ()
 
     def ready(self) -> bool:
         """Has the device finished the call (fetch would not block)?  A deleted result (lost
@@ -237,6 +240,8 @@ class ModelRunner:
         makes them while the device runs it) and returns the rows' allowed-token masks
         [len(rows), ceil(V/32)] int32 (token_mask.py), or None for none."""
         host = self.host_step(rows)
+        order = sample_rows([row.seq.num_draft for row in rows])
+        n = sum(len(o) for o in order)
         if self.channel is not None:
             self._require_leader("run")
             mask = masks() if masks is not None else None   # folded into the bias: the
@@ -246,13 +251,13 @@ class ModelRunner:
             masks = None
             self.channel.send(Op.STEP, host)
         if self.profile is None:
-            return CallResult(len(rows), self._execute(host, masks), host.shape)
+            return CallResult(n, self._execute(host, masks), host.shape, order)
         start = time.perf_counter()
         out = self._execute(host, masks)
         jax.block_until_ready(out.tokens)      # serialises the pipeline: diagnostics only
         self.profile.record(host.shape, time.perf_counter() - start,
                             int((host.token_rows >= 0).sum()))
-        return CallResult(len(rows), out, host.shape)
+        return CallResult(n, out, host.shape, order)
 
     def follow(self) -> int:
         """On a process other than 0 of a multi-host mesh: launch every call process 0 sends,
@@ -293,10 +298,12 @@ class ModelRunner:
                         sampling)
 
     def bucket(self, rows: Sequence[RowInput]) -> tuple[int, int, int]:
-        """The (rows, tokens, width) bucket a call over `rows` runs in."""
+        """The (rows, tokens, width) bucket a call over `rows` runs in: one sample row per
+        plan row, and one more per draft token of a verify row."""
         if not rows:
             raise ValueError("a call needs at least one row")
-        return self.buckets.fit(len(rows), sum(row.seq.num_tokens for row in rows),
+        return self.buckets.fit(len(rows) + sum(row.seq.num_draft for row in rows),
+                                sum(row.seq.num_tokens for row in rows),
                                 max(len(row.seq.block_table) for row in rows))
 
     def host_step(self, rows: Sequence[RowInput]) -> HostStep:
@@ -323,7 +330,8 @@ class ModelRunner:
         logprobs = np.zeros(r, np.bool_)
         bias: np.ndarray | None = None
         at = 0
-        for i, row in enumerate(rows):
+        order = sample_rows([row.seq.num_draft for row in rows])
+        for i, (row, where) in enumerate(zip(rows, order)):
             seq = row.seq
             k = seq.num_tokens
             if k < 1:
@@ -336,19 +344,23 @@ class ModelRunner:
             token_rows[at:at + k] = i
             slots[at:at + k] = seq.slot_mapping
             tables[i, : len(seq.block_table)] = seq.block_table
-            logits_index[i] = at + k - 1
+            s = row.sampling
+            # sample row where[j] samples after input token at + k - len(where) + j: the last
+            # token only, or a verify row's token and each of its drafts
+            for j, sr in enumerate(where):
+                logits_index[sr] = at + k - len(where) + j
+                temperature[sr], top_p[sr], min_p[sr] = s.temperature, s.top_p, s.min_p
+                top_k[sr] = 0 if s.top_k >= vocab else s.top_k   # keeps every token: off
+                seed[sr], counter[sr] = s.seed & 0xFFFFFFFF, s.counter + j
+                logprobs[sr] = s.logprobs
+                if s.bias is not None:
+                    if bias is None:
+                        bias = np.zeros((r, self.config.vocab_size), np.float32)
+                    bias[sr] = s.bias
             at += k
+            # only the row's own sample row feeds its token slot (read by a later PENDING_TOKEN)
             row_slot[i] = row.token_slot
             sample_mask[i] = seq.sample
-            s = row.sampling
-            temperature[i], top_p[i], min_p[i] = s.temperature, s.top_p, s.min_p
-            top_k[i] = 0 if s.top_k >= vocab else s.top_k   # keeps every token: off (int32)
-            seed[i], counter[i] = s.seed & 0xFFFFFFFF, s.counter
-            logprobs[i] = s.logprobs
-            if s.bias is not None:
-                if bias is None:
-                    bias = np.zeros((r, self.config.vocab_size), np.float32)
-                bias[i] = s.bias
         return HostStep(tokens, positions, token_rows, slots, tables, logits_index, row_slot,
                         sample_mask, temperature, top_k, top_p, min_p, seed, counter, logprobs,
                         bias)

@@ -131,9 +131,13 @@ def _draw_filtered(z: jax.Array, s: SamplingArrays, u: jax.Array) -> jax.Array:
         return jnp.take_along_axis(cand_ids, _inverse_cdf(w, u)[:, None], axis=-1)[:, 0]
 
     def sorted_all(_: None) -> jax.Array:
-        full_cut = _cuts(top_k(z, v)[0], lse, s, v)          # every token, sorted
-        w = jnp.where(z >= full_cut, jnp.exp(z - jnp.max(z, axis=-1, keepdims=True)), 0.0)
-        return _inverse_cdf(w, u)
+        # Every token, sorted, drawn in the same (descending) order as among_candidates: a
+        # row whose set fits the candidates draws the same token whichever branch its step
+        # takes (the branch depends on every row: seeds stay batch-invariant).
+        all_z, all_ids = top_k(z, v)                                    # [B, V] descending
+        full_cut = _cuts(all_z, lse, s, v)
+        w = jnp.where(all_z >= full_cut, jnp.exp(all_z - all_z[:, :1]), 0.0)
+        return jnp.take_along_axis(all_ids, _inverse_cdf(w, u)[:, None], axis=-1)[:, 0]
 
     return jax.lax.cond(jnp.all(inside | ~filtering), among_candidates, sorted_all, None)
 

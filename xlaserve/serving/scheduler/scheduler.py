@@ -42,6 +42,10 @@ sequence with a placeholder is not re-admitted until update() fills it in. When 
 its samples never come: the engine ends the running requests and `drop_in_flight()` forgets
 every plan not yet updated.
 
+Speculative decoding (with a `SpeculativeConfig`): once a step's rows are chosen, decode rows
+may become verify rows of 1 + k tokens; `update` keeps the accepted drafts and trims the KV of
+the rest (drafts.py has the protocol).
+
 Prefix-cache hits are registered between steps (start of `schedule`, preemption, finish), so a
 hit always reads KV that an earlier device step wrote.
 """
@@ -50,10 +54,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
 from xlaserve.serving.kv_cache import KVCacheManager
 from xlaserve.serving.scheduler.config import SchedulerConfig
+from xlaserve.serving.scheduler.drafts import propose_drafts, settle_drafts
 from xlaserve.serving.scheduler.priority import priority_key, waiting_key
 from xlaserve.serving.scheduler.scheduler_stats import SchedulerStats
 from xlaserve.serving.scheduler.sequence import RequestState, Sequence, SequenceStatus
@@ -63,6 +69,8 @@ from xlaserve.serving.scheduler.step_plan import (
     StepPlan,
     slot_mapping,
 )
+from xlaserve.serving.speculative import NgramProposer, SpecStats, SpeculativeConfig
+from xlaserve.serving.speculative.acceptance import accept_drafts
 from xlaserve.serving.types import GenerationRequest
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -75,6 +83,7 @@ class _Draft:
     budget: int
     entries: dict[str, tuple[Sequence, int]] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # verify rows' drafts
 
     def add(self, seq: Sequence, n: int) -> None:
         self.entries[seq.request_id] = (seq, n)
@@ -89,8 +98,11 @@ class _Draft:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.spec_stats = SpecStats()
         self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size,
                                        enable_prefix_caching=config.enable_prefix_caching)
         self._seqs: dict[str, Sequence] = {}
@@ -172,6 +184,7 @@ class Scheduler:
             if draft.budget == 0:
                 break
             if (seq.status is not SequenceStatus.RUNNING    # preempted earlier in this step
+                    or seq.num_draft_slots                # a verify row not yet updated
                     or seq.output_limit_reached(cfg.max_model_len, known_only=False)):
                 continue
             n = self._reserve_or_preempt(
@@ -180,11 +193,16 @@ class Scheduler:
                 draft.add(seq, n)
         if not draft.preempted:
             self._admit(draft, now)
+        if self.proposer is not None:
+            self._propose(draft)
         return self._emit(draft)
 
-    def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> dict[str, int]:
-        """Fill in the tokens `plan` sampled; returns those of requests still alive (the ones
-        to emit). Every non-empty plan is updated once, in the order they were made."""
+    def update(self, plan: StepPlan, sampled: Mapping[str, int | Sequence_[int]]
+               ) -> dict[str, tuple[int, ...]]:
+        """Fill in the tokens `plan` sampled (an int per sampling row, the k + 1 samples of a
+        verify row); returns the tokens each request still alive gained (the ones to emit: one,
+        or a verify row's accepted drafts and the target's token). Every non-empty plan is
+        updated once, in the order they were made."""
         if plan.is_empty:
             if sampled:
                 raise ValueError(f"step {plan.step_id} is empty, got samples for {list(sampled)}")
@@ -197,16 +215,24 @@ class Scheduler:
         extra = sorted(set(sampled) - set(rows))
         live = {rid: r for rid, r in rows.items() if rid in self._seqs}
         missing = sorted(set(live) - set(sampled))
-        negative = {rid: t for rid, t in sampled.items() if t < 0}
-        if extra or missing or negative:
+        given = {rid: (v,) if isinstance(v, int) else tuple(v) for rid, v in sampled.items()}
+        negative = {rid: sampled[rid] for rid, t in given.items() if min(t, default=0) < 0}
+        shape = {rid: len(t) for rid, t in given.items()
+                 if rid in rows and len(t) != rows[rid].num_samples}
+        if extra or missing or negative or shape:
             raise ValueError(f"step {plan.step_id}: samples for non-sampling rows {extra}, "
-                             f"missing for {missing}, negative {negative}")
+                             f"missing for {missing}, negative {negative}, wrong count {shape} "
+                             "(a verify row samples 1 + its drafts)")
         self._in_flight.popleft()
+        out: dict[str, tuple[int, ...]] = {}
         for rid, row in live.items():
-            tokens = self._seqs[rid].all_token_ids
-            assert tokens[row.sample_position] == PENDING_TOKEN, (rid, row.sample_position)
-            tokens[row.sample_position] = sampled[rid]
-        return {rid: sampled[rid] for rid in live}
+            seq = self._seqs[rid]
+            assert seq.all_token_ids[row.sample_position] == PENDING_TOKEN, (rid, row)
+            out[rid] = accept_drafts(row.draft_token_ids, given[rid])
+            seq.all_token_ids[row.sample_position] = out[rid][0]
+            if row.num_draft:
+                settle_drafts(seq, row, out[rid], self.kv_cache, self.spec_stats)
+        return out
 
     @property
     def in_flight(self) -> tuple[StepPlan, ...]:
@@ -282,6 +308,13 @@ class Scheduler:
         known = seq.all_token_ids[:seq.num_known_tokens]
         return self.kv_cache.unregistered_block_hashes(seq.request_id, known)
 
+    def _propose(self, draft: _Draft) -> None:
+        assert self.proposer is not None
+        drafts = propose_drafts(self.proposer, self.kv_cache, self.config,
+                                list(draft.entries.values()), draft.budget)
+        draft.drafts.update(drafts)
+        draft.budget -= sum(len(d) for d in drafts.values())
+
     def _emit(self, draft: _Draft) -> StepPlan:
         bs = self.config.block_size
         decodes: list[ScheduledSeq] = []
@@ -290,12 +323,14 @@ class Scheduler:
             start = seq.num_computed_tokens
             table = self.kv_cache.block_table(rid)
             sample = start + n == seq.num_tokens
-            row = ScheduledSeq(rid, tuple(seq.all_token_ids[start:start + n]), start, table,
-                               slot_mapping(table, start, n, bs), sample)
+            drafts = draft.drafts.get(rid, ())
+            m = n + len(drafts)
+            row = ScheduledSeq(rid, tuple(seq.all_token_ids[start:start + n]) + drafts, start,
+                               table, slot_mapping(table, start, m, bs), sample, len(drafts))
             seq.num_computed_tokens += n
             if sample:
                 seq.all_token_ids.append(PENDING_TOKEN)
-            (decodes if n == 1 and sample else prefills).append(row)
+            (decodes if m == 1 and sample else prefills).append(row)
         plan = StepPlan(self._num_steps, tuple(decodes), tuple(prefills), tuple(draft.preempted))
         self._num_steps += 1
         if not plan.is_empty:
@@ -305,7 +340,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._cache_computed(seq)  # so the recompute can hit its own full blocks
         self.kv_cache.free(seq.request_id)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_slots = 0
         seq.status, seq.requeued = SequenceStatus.WAITING, True
         seq.num_preemptions += 1
         self._num_preemptions += 1
@@ -341,7 +376,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self._running), len(self._waiting), self._num_preemptions,
                               self._num_finished, self._num_steps, self.kv_cache.usage(),
-                              self.kv_cache.prefix_cache_stats)
+                              self.kv_cache.prefix_cache_stats, self.spec_stats.snapshot())
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
@@ -356,9 +391,11 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 assert rid in self._running
                 assert 0 < seq.num_computed_tokens <= seq.num_tokens, rid
-                assert self.kv_cache.num_tokens(rid) == seq.num_computed_tokens, rid
+                assert (self.kv_cache.num_tokens(rid)
+                        == seq.num_computed_tokens + seq.num_draft_slots), rid
             else:
                 assert rid in self._waiting and seq.num_computed_tokens == 0, rid
+                assert seq.num_draft_slots == 0, f"{rid}: waiting with draft slots"
 
     def _get(self, request_id: str) -> Sequence:
         try:

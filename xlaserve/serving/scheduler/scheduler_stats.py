@@ -1,10 +1,12 @@
-"""What the scheduler reports to /metrics: queue sizes, preemptions, KV usage, prefix hits."""
+"""What the scheduler reports to /metrics: queue sizes, preemptions, KV usage, prefix hits,
+speculative drafts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xlaserve.serving.kv_cache import KVCacheUsage, PrefixCacheStats
+from xlaserve.serving.speculative import SpecStats
 
 
 @dataclass(frozen=True)
@@ -16,6 +18,7 @@ class SchedulerStats:
     num_steps: int            # plans emitted, empty ones included
     kv_cache: KVCacheUsage
     prefix_cache: PrefixCacheStats
+    spec: SpecStats = field(default_factory=SpecStats)   # speculative decoding, cumulative
 
     @property
     def prefix_hit_rate(self) -> float:

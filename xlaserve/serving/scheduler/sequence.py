@@ -34,6 +34,9 @@ class Sequence:
     num_cached_tokens: int | None = None  # prefix-hit tokens at first admission
     num_preemptions: int = 0
     requeued: bool = False               # preempted and waiting: goes ahead of equal peers
+    num_draft_slots: int = 0             # KV slots reserved for draft tokens in flight
+    num_draft_tokens: int = 0            # draft tokens verified for it so far
+    num_accepted_tokens: int = 0         # of those, accepted
 
     @classmethod
     def from_request(cls, request: GenerationRequest, seq_no: int) -> Sequence:
@@ -43,6 +46,15 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def speculates(self) -> bool:
+        """May its decodes verify draft tokens?  Not when it opted out, nor with penalties
+        (their bias depends on every token before the one sampled), nor under an output
+        constraint (a draft position's allowed tokens depend on the drafts before it)."""
+        s = self.request.sampling
+        return (self.request.speculative and s.presence_penalty == 0
+                and s.frequency_penalty == 0 and s.constraint is None)
 
     @property
     def num_tokens(self) -> int:
@@ -87,10 +99,13 @@ class RequestState:
     num_computed_tokens: int
     num_cached_tokens: int               # prompt tokens served by the prefix cache
     num_preemptions: int
+    num_draft_tokens: int = 0            # speculative draft tokens verified
+    num_accepted_tokens: int = 0         # of those, accepted
 
     @classmethod
     def of(cls, seq: Sequence, status: str | None = None) -> RequestState:
         cached = min(seq.num_cached_tokens or 0, seq.num_prompt_tokens)
         return cls(seq.request_id, status or seq.status.value, seq.num_prompt_tokens,
                    tuple(seq.all_token_ids[seq.num_prompt_tokens:]), seq.num_computed_tokens,
-                   cached, seq.num_preemptions)
+                   cached, seq.num_preemptions, seq.num_draft_tokens,
+                   seq.num_accepted_tokens)

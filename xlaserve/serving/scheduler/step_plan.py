@@ -7,6 +7,11 @@ Row r feeds token_ids at positions start_position .. end_position - 1, writes th
 slot_mapping (block_id * block_size + offset), attends over block_table, and when `sample`,
 samples the token for position end_position. A token equal to PENDING_TOKEN is the token this
 request sampled in the previous step, still on device: the runner substitutes it.
+
+A verify row (speculative decoding) feeds its last sampled token and then `num_draft` proposed
+tokens: [t, d1 .. dk] at positions p .. p + k.  Every one of its positions samples (the runner
+gives it k + 1 sample rows); `sample_position` (p + 1) is still where its first sampled token
+goes, and the scheduler keeps the drafts the target model agrees with (speculative/).
 `slot_mapping()` is the one place that turns positions into cache slots.
 """
 
@@ -33,6 +38,8 @@ class ScheduledSeq:
     block_table: tuple[int, ...]     # [num_blocks] physical block ids, covers end_position
     slot_mapping: tuple[int, ...]    # [num_tokens] cache slot of each input token
     sample: bool                     # this row's last token completes the sequence: sample
+    num_draft: int = 0               # trailing draft tokens of token_ids (a verify row), each
+                                     # sampled after too; 0 for every other row
 
     @property
     def num_tokens(self) -> int:
@@ -45,8 +52,17 @@ class ScheduledSeq:
 
     @property
     def sample_position(self) -> int:
-        """Index in all_token_ids of the token this row samples."""
-        return self.end_position
+        """Index in all_token_ids of the (first) token this row samples."""
+        return self.end_position - self.num_draft
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens the row samples: 0, 1, or 1 + num_draft for a verify row."""
+        return (1 + self.num_draft) if self.sample else 0
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_draft:]
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,11 @@ class StepPlan:
     @property
     def request_ids(self) -> frozenset[str]:
         return frozenset(r.request_id for r in self.rows)
+
+    @property
+    def num_samples(self) -> int:
+        """Sample rows of the step: one per sampling row, 1 + k per verify row."""
+        return sum(r.num_samples for r in self.rows)
 
     @property
     def sampling_ids(self) -> tuple[str, ...]:
