@@ -25,7 +25,7 @@ class StatsOnly:
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = metrics.render().decode()
     return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items()
-                                  if k not in ("model", "replica")))): s.value
+                                  if k not in ("model_name", "engine")))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples
             if s.name.startswith("xlaserve_spec_decode")}
 

@@ -13,7 +13,8 @@ def _offline(args: argparse.Namespace) -> int:
                                               if s.strip()),
         batch=args.batch, seed=args.seed, num_requests=args.num_requests, gguf=args.gguf,
         hf_dir=args.hf_dir, decode_steps=args.decode_steps,
-        copy_bytes=args.copy_mib << 20, breakdown=args.breakdown)
+        copy_bytes=args.copy_mib << 20, breakdown=args.breakdown,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     return offline_main(args.model, options, args.json)
 
 
@@ -102,6 +103,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--breakdown", action="store_true",
                    help="rerun engine and static timing every device call per bucket "
                    "(calls waited for: not the headline numbers)")
+    o.add_argument("--quantization", choices=["int8"], default=None,
+                   help="int8 weights (a float folder is quantized as it loads)")
+    o.add_argument("--kv-cache-dtype", choices=["int8"], default=None,
+                   help="an int8 KV cache instead of the model's dtype")
     o.set_defaults(fn=_offline)
 
     from xlaserve.bench.online_cli import add_online_parser

@@ -52,6 +52,8 @@ class OfflineOptions:
     decode_steps: int = 20
     copy_bytes: int = 512 << 20      # bandwidth probe array size
     breakdown: bool = False          # rerun engine/static with per-bucket call timing
+    quantization: str | None = None  # "int8": int8 weights (quantized as the model loads)
+    kv_cache_dtype: str | None = None   # "int8": an int8 KV cache
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -80,6 +82,8 @@ def run_offline(model: LoadedModel, options: OfflineOptions,
     spec = get_workload(options.workload)
     workload = spec.build(model.tokenizer, options.seed, options.num_requests)
     config = engine_config or spec.engine_config(options.batch)
+    if options.kv_cache_dtype:
+        config = config.with_args(kv_cache_dtype=options.kv_cache_dtype)
     runner = make_runner(model, config)
     results: list[SystemResult] = []
     warmup_s = 0.0
@@ -180,7 +184,7 @@ def describe(report: dict[str, Any]) -> str:
 
 
 def offline_main(model_dir: str, options: OfflineOptions, json_out: str | None) -> int:
-    model = load_model(model_dir)
+    model = load_model(model_dir, quantization=options.quantization)
     report = run_offline(model, options)
     print(describe(report), flush=True)
     if json_out:
