@@ -109,7 +109,8 @@ def run_offline(model: LoadedModel, options: OfflineOptions,
     if options.breakdown:
         breakdown = _breakdown(model, config, runner, workload, options)
     memory = device_bytes(ShardLayout.create(model.config, model.mesh),
-                          config.scheduler.num_kv_blocks, config.scheduler.block_size)
+                          config.scheduler.num_kv_blocks, config.scheduler.block_size,
+                          config.kv_dtype)
     if runner.packed:   # one device holding the CPU kernels' panels (and a tied head's copy)
         resident = param_bytes(runner.params)
         memory = replace(memory, params=resident, params_total=resident)
