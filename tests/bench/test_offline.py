@@ -49,7 +49,8 @@ def test_offline_tiny_all_systems(tiny_llama, tmp_path, capsys) -> None:
         assert all(len(r["token_ids"]) == r["num_tokens"] for r in per_request.values())
     engine, static, hf = report["systems"]
     host = engine["host_ms_per_step"]
-    assert set(host) == {"schedule", "launch", "process", "wait"} and host["launch"] > 0
+    assert set(host) == {"schedule", "launch", "process", "wait", "masks"}
+    assert host["launch"] > 0 and host["masks"] == 0   # no request under a constraint
     assert engine["compiles_after_warmup"] == 0 and static["compiles_after_warmup"] == 0
     assert hf["compiles_after_warmup"] is None
     # Static rows wait for their batch's longest request; the engine frees them at once.
