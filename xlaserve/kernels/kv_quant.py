@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from xlaserve.kernels.quantized import quantize_int8
+
 SCALE_BYTES = 4
-QMAX = 127
-KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
 def is_int8(dtype: Any) -> bool:
@@ -40,13 +40,11 @@ def head_dim_of(cache: jax.Array) -> int:
 
 
 def quantize_rows(x: jax.Array) -> jax.Array:
-    """x [..., D] float -> [..., D + 4] int8 rows (see the module docstring)."""
-    xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)                 # [..., 1]
-    scale = jnp.where(amax > 0, amax / QMAX, 1.0)
-    q = jnp.clip(jnp.round(xf / scale), -QMAX, QMAX).astype(jnp.int8)   # [..., D]
-    scale_bytes = lax.bitcast_convert_type(scale[..., 0], jnp.int8)      # [..., 4]
-    return jnp.concatenate([q, scale_bytes], axis=-1)
+    """x [..., D] float -> [..., D + 4] int8 rows (see the module docstring): the weights'
+    quantizer with the whole row as one group."""
+    rows = quantize_int8(x, -1, group=x.shape[-1])          # q [..., D], scale [..., 1]
+    scale_bytes = lax.bitcast_convert_type(rows["scale"][..., 0], jnp.int8)   # [..., 4]
+    return jnp.concatenate([rows["q"], scale_bytes], axis=-1)
 
 
 def dequantize_rows(rows: jax.Array) -> jax.Array:

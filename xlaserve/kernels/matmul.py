@@ -12,9 +12,9 @@ A weight may also come packed (`PackedWeight`, made once at load by `pack_weight
 columns cut into panels of TILE_N, each stored as one contiguous [K, TILE_N] run, so that the
 kernel streams every panel from memory whatever the number of rows (unpacked, a panel's rows
 lie N floats apart, which the hardware prefetcher follows poorly: a batch of 8 rows took twice
-its bandwidth floor).  Panels are float32, or int8 with per-column scales (a
-`QuantizedWeight`, kernels/quantized.py, packed): the kernel widens them in registers, so the
-step streams a quarter of the bytes.  An unpacked `QuantizedWeight` takes the jnp path.
+its bandwidth floor).  Panels are float32, or int8 with a scale per 32 rows of each column
+(a `QuantizedWeight`, kernels/quantized.py, packed): the kernel widens them in registers, so
+the step streams a quarter of the bytes.  An unpacked `QuantizedWeight` takes the jnp path.
 
 Why a kernel: under `lax.scan` XLA:CPU slices w[layer] into a fresh buffer before each dot (every
 weight byte read, written and read again), and runs batch-1 dots on one thread.  The kernel takes
@@ -70,13 +70,11 @@ class PackedWeight:
             w = w * jnp.repeat(self.scales, k // self.scales.shape[2], axis=2)
         return w.transpose(0, 2, 1, 3).reshape(layers, k, t * tn)[:, :, :self.n]
 
-    def tree_flatten(self) -> tuple[tuple[jax.Array, ...], tuple[int, bool]]:
-        return self.kernel_args(), (self.n, self.scales is not None)
+    def tree_flatten(self) -> tuple[tuple[jax.Array, ...], int]:
+        return self.kernel_args(), self.n
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[int, bool], children: tuple[jax.Array, ...]
-                       ) -> PackedWeight:
-        n, _ = aux
+    def tree_unflatten(cls, n: int, children: tuple[jax.Array, ...]) -> PackedWeight:
         return cls(children[0], n, children[1] if len(children) > 1 else None)
 
 

@@ -72,8 +72,7 @@ def dequantize(w: dict[str, Any], axis: int) -> Any:
 @jax.tree_util.register_pytree_node_class
 class QuantizedWeight:
     """A stacked int8 matrix and its group scales: q [L, K, N] (or [K, N]) int8, scale
-    [L, K / G, N] (or [K / G, N]) float32.  `dtype` is the dtype it computes in (the
-    scale's)."""
+    [L, K / G, N] (or [K / G, N]) float32."""
 
     def __init__(self, q: jax.Array, scale: jax.Array):
         self.q = q
@@ -88,7 +87,7 @@ class QuantizedWeight:
         return self.q.ndim
 
     @property
-    def dtype(self) -> Any:
+    def dtype(self) -> Any:   # its scales' (float32); it computes in its input's dtype
         return self.scale.dtype
 
     @property
@@ -105,8 +104,8 @@ class QuantizedWeight:
                                s.reshape(s.shape[0], -1, s.shape[-1]))
 
     def dequantized(self) -> jax.Array:
-        """The weight it stands for, [L, K, N] (or [K, N]) in the scale's dtype."""
-        return jnp.repeat(self.scale, self.group, axis=-2) * self.q.astype(self.scale.dtype)
+        """The weight it stands for, [L, K, N] (or [K, N]), float32."""
+        return dequantize({"q": self.q, "scale": self.scale}, -2)
 
     def matmul_reference(self, x: jax.Array, layer: jax.Array) -> jax.Array:
         """x [M, K] @ w[layer] -> [M, N]."""

@@ -37,7 +37,7 @@ from xlaserve.kernels.matmul import (
     layer_matmul,
     pack_weight,
 )
-from xlaserve.kernels.quantized import QuantizedWeight, as_operand, quantize_int8
+from xlaserve.kernels.quantized import QuantizedWeight, as_operand, is_quantized, quantize_int8
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.quantize import quantize_params, quantized_axes, quantized_shapes
 from xlaserve.models.rope import apply_rope, inverse_frequencies
@@ -195,14 +195,14 @@ def pack_params(params: Params) -> Params:
     is quantized here (groups along E), so its decode steps stream no float32 matrix.
     One device only: the panels are not laid out for a mesh."""
     layers = dict(params["layers"])
-    quantized = isinstance(_as_matrix(layers["wq"], 2), QuantizedWeight)
+    quantized = is_quantized(layers["wq"])
     for name, inner in _MATRIX_OF.items():
         if not isinstance(layers[name], PackedWeight):
             layers[name] = pack_weight(_as_matrix(layers[name], inner))
     out = {**params, "layers": layers}
     if "head" not in params:
         head = as_operand(params["lm_head"]) if "lm_head" in params else params["embed"].T
-        if isinstance(head, QuantizedWeight):          # [E, V] int8, scale [V]
+        if isinstance(head, QuantizedWeight):          # [E, V] int8, scale [E / 32, V]
             head = QuantizedWeight(head.q[None], head.scale[None])
         elif quantized:
             q = jax.jit(lambda h: quantize_int8(h, 0))(head)
