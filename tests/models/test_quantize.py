@@ -19,6 +19,7 @@ from xlaserve.models.llama import (
     forward,
     init_kv_cache,
     init_params,
+    one_row_metadata,
     pack_params,
     param_axes,
     param_shapes,
@@ -82,6 +83,24 @@ def test_int8_forward_on_the_kernels_matches_its_dequantized_float_model() -> No
     head_error = float(np.abs(logits["int8 kernels"] - want).max())
     assert 0 < head_error < 2e-2 * float(np.abs(want).max()), head_error
     assert np.abs(want).max() > 0.1
+
+
+def test_int8_weights_serve_in_bfloat16() -> None:
+    """bfloat16 activations (`dtype auto` on a GPU) over int8 weights with float32 scales: the
+    jnp path computes in the activations' dtype, close to the float32 run of the same model."""
+    bf16 = TINY_INT8.replace(dtype="bfloat16")
+    tokens = jnp.arange(8, dtype=jnp.int32)
+    positions, meta = one_row_metadata(np.arange(1, 3, dtype=np.int32), 0, 5, 8, 8)
+    meta = AttentionMetadata(*(jnp.asarray(a) for a in meta))
+    logits = {}
+    for config in (TINY_INT8, bf16):
+        out, _ = forward(init_params(config, seed=0, scale=0.2), config, tokens,
+                         jnp.asarray(positions), init_kv_cache(config, 4, 8), meta,
+                         logits_index=jnp.asarray([4], jnp.int32),
+                         attention_backend="reference")
+        logits[config.dtype] = np.asarray(out, np.float32)
+    want = logits["float32"]
+    assert np.abs(logits["bfloat16"] - want).max() < 5e-2 * np.abs(want).max()
 
 
 def test_checkpoints_store_int8_or_quantize_a_float_one_as_it_loads(tmp_path) -> None:

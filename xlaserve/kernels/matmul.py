@@ -136,7 +136,8 @@ def check_layer_matmul(x: jax.Array, weights: Sequence[Operand]) -> None:
         if w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
             raise ValueError(f"layer_matmul: weight {i} must be [L, K, N] or [K, N] with "
                              f"K = {x.shape[1]}, got shape {w.shape}")
-        if w.dtype != x.dtype:
+        # an int8 weight keeps float32 scales and computes in x's dtype (bfloat16 on a GPU)
+        if w.dtype != x.dtype and not isinstance(w, QuantizedWeight):
             raise TypeError(f"layer_matmul: weight {i} is {w.dtype}, x is {x.dtype}")
 
 
