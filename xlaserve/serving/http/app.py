@@ -3,7 +3,8 @@ generation request runs `pipeline.generate` (its stages in order, down to the JS
 response); an ApiError from any stage is answered by `api_error`.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (alive),
-GET /ready (engines warm), GET /metrics (Prometheus), GET / (a minimal chat page).
+GET /ready (engines warm), GET /metrics (Prometheus), GET /openapi.json (the API's OpenAPI 3.1
+document, http/openapi.py), GET / (a minimal chat page).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from quart import Quart, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
 from xlaserve.serving.gateway.tracing import TraceContext
+from xlaserve.serving.http.openapi import openapi_document
 from xlaserve.serving.http.pipeline import authenticate, generate, refuse_if_draining
 from xlaserve.serving.http.protocol import ApiError
 from xlaserve.serving.http.render import error_response, json_response
@@ -39,7 +41,7 @@ def create_app(state: ServingState) -> Quart:
     app.register_error_handler(ApiError, api_error)
     app.register_error_handler(Exception, server_error)
     for rule, view in (("/health", health), ("/ready", ready), ("/metrics", metrics),
-                       ("/", chat_page), ("/v1/models", models)):
+                       ("/", chat_page), ("/v1/models", models), ("/openapi.json", openapi)):
         app.get(rule)(view)
     app.post("/v1/chat/completions", defaults={"kind": "chat"})(generation)
     app.post("/v1/completions", defaults={"kind": "completion"})(generation)
@@ -93,6 +95,10 @@ async def metrics() -> Response:
     state = serving_state()
     state.update_admission_gauges()
     return Response(state.metrics.render(), mimetype="text/plain; version=0.0.4")
+
+
+async def openapi() -> Response:
+    return json_response(openapi_document())
 
 
 async def chat_page() -> Response:

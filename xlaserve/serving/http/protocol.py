@@ -1,27 +1,27 @@
-"""OpenAI request validation for /v1/chat/completions and /v1/completions, and `ApiError`,
-the OpenAI-shaped error every failure answers with (responses: http/render.py).
+"""A request body -> `ParsedRequest`, and `ApiError`, the OpenAI-shaped error every failure
+answers with (responses: http/render.py).
 
-Every bad input raises `ApiError` (400 unless said otherwise) naming the offending field in
-`param`.  Unknown fields: OpenAI answers 400 "Unrecognized request argument supplied", and so do
-we, except for fields that carry no behaviour here (`user`, `metadata`, `store`,
-`service_tier`) which are accepted and ignored.  Fields we know but do not implement
-(`logit_bias`, `functions`, `echo`, `suffix`, ...) are accepted only at their default
-(null / empty / false) and otherwise get a 400 saying they are not supported, so a client never
-silently gets different behaviour than it asked for.  Output constraints (`response_format`,
-`guided_*`, `structured_outputs`) are read by http/structured.py, tools by http/tools.py.
+The fields' types, ranges and policies are the pydantic models of http/schemas.py; `parse`
+validates a body with them and answers the first failure as an ApiError (400) naming the
+offending field in `param` (`messages[0].content`), with OpenAI's codes: invalid_type,
+invalid_value, missing_required_parameter, unrecognized_argument, unsupported_parameter.  The
+rules that depend on the server (n against `server.max_n`) or on two fields (stream_options
+needs stream, top_logprobs needs logprobs) are checked here, after the models.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
+from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
 
+from xlaserve.serving.http import schemas
+from xlaserve.serving.http.schemas import ChatCompletionRequest, CommonRequest, CompletionRequest
 from xlaserve.serving.structured.constraint import Constraint
-from xlaserve.serving.types import MAX_INT32
 
 if TYPE_CHECKING:
     from xlaserve.serving.http.tools import Tools
@@ -59,24 +59,6 @@ class ApiError(Exception):
         return cls(e.code or 400, msg, None, codes.get(e.code or 400))
 
 
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
-# field -> the values accepted (only the default behaviour is implemented)
-_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "modalities": (None, ["text"]), "prediction": (None,), "audio": (None,),
-    "reasoning_effort": (None,), "web_search_options": (None,),
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
-}
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
-           "seed", "presence_penalty", "frequency_penalty", "logprobs", "stream",
-           "stream_options", "priority", "ignore_eos", "response_format", "guided_json",
-           "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "speculative"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                         "tool_choice", "parallel_tool_calls"}
-COMPLETION_FIELDS = _COMMON | {"prompt"}
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 @dataclass
 class ParsedRequest:
     kind: str                         # "chat" | "completion"
@@ -96,78 +78,6 @@ class ParsedRequest:
     constraint: Constraint | None = None   # what the output must match (http/structured.py)
     constraint_param: str | None = None    # the field that set it, for errors
     tools: Tools | None = None             # chat: the tools offered (http/tools.py)
-
-
-# -- field readers ------------------------------------------------------------------------------
-
-def _type_error(name: str, want: str, value: Any) -> ApiError:
-    return ApiError(400, f"Invalid type for '{name}': expected {want}, got "
-                         f"{type(value).__name__} ({json.dumps(value)[:60]})", name,
-                    "invalid_type")
-
-
-def _value_error(name: str, why: str, value: Any) -> ApiError:
-    return ApiError(400, f"Invalid value for '{name}': {why} (got {json.dumps(value)[:60]})",
-                    name, "invalid_value")
-
-
-def _int(body: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None
-         ) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        else:
-            raise _type_error(name, "an integer", v)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise _value_error(name, f"must be between {lo} and {hi}" if hi is not None
-                           else f"must be >= {lo}", v)
-    return int(v)
-
-
-def _float(body: dict[str, Any], name: str, lo: float, hi: float, lo_open: bool = False
-           ) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _type_error(name, "a number", v)
-    if not math.isfinite(v) or v > hi or v < lo or (lo_open and v == lo):
-        raise _value_error(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]", v)
-    return float(v)
-
-
-def _bool(body: dict[str, Any], name: str) -> bool | None:
-    v = body.get(name)
-    if v is not None and not isinstance(v, bool):
-        raise _type_error(name, "a boolean", v)
-    return v
-
-
-def _text(v: Any, name: str) -> str:
-    if not isinstance(v, str):
-        raise _type_error(name, "a string", v)
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, f"'{name}' is not valid UTF-8 text (lone surrogate)", name,
-                       "invalid_value") from None
-    return v
-
-
-def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
-    for k, v in body.items():
-        if k in allowed or k in IGNORED_FIELDS:
-            continue
-        if k in _DEFAULT_ONLY:
-            if v not in _DEFAULT_ONLY[k]:
-                raise ApiError(400, f"'{k}' is not supported by this server (only its default "
-                                    "is accepted)", k, "unsupported_parameter")
-            continue
-        raise ApiError(400, f"Unrecognized request argument supplied: {k}", k,
-                       "unrecognized_argument")
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -192,177 +102,109 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _parse_common(body: dict[str, Any], kind: str, max_n: int) -> ParsedRequest:
-    model = body.get("model")
-    if model is None:
-        raise ApiError(400, "Missing required parameter: 'model'", "model",
-                       "missing_required_parameter")
-    model = _text(model, "model")
-    if not model:
-        raise _value_error("model", "must not be empty", model)
-    p = ParsedRequest(kind, model)
-    n = _int(body, "n", 1, max_n)
-    p.n = 1 if n is None else n
-    p.stream = bool(_bool(body, "stream"))
-    so = body.get("stream_options")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise _type_error("stream_options", "an object", so)
-        if not p.stream:
-            raise ApiError(400, "'stream_options' is only allowed when 'stream' is true",
-                           "stream_options", "invalid_value")
-        bad = set(so) - {"include_usage", "continuous_usage_stats"}
-        if bad:
-            raise ApiError(400, f"Unrecognized stream_options field(s): {sorted(bad)}",
-                           "stream_options", "unrecognized_argument")
-        iu = so.get("include_usage")
-        if iu is not None and not isinstance(iu, bool):
-            raise _type_error("stream_options.include_usage", "a boolean", iu)
-        p.include_usage = bool(iu)
-    prio = _int(body, "priority", -1000, 1000)
-    p.priority = prio or 0
-    spec = body.get("speculative")   # our extension: opt out of speculative decoding
-    if spec is not None:
-        if not isinstance(spec, bool):
-            raise _type_error("speculative", "a boolean", spec)
-        p.speculative = spec
-    user = body.get("user")
-    if user is not None:
-        p.user = _text(user, "user")
-    s: dict[str, Any] = {}
-    for name, lo, hi, lo_open in (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
-                                  ("min_p", 0.0, 1.0, False),
-                                  ("presence_penalty", -2.0, 2.0, False),
-                                  ("frequency_penalty", -2.0, 2.0, False)):
-        v = _float(body, name, lo, hi, lo_open)
-        if v is not None:
-            s[name] = v
-    top_k = _int(body, "top_k", -1, MAX_INT32)
-    if top_k is not None:
-        s["top_k"] = max(top_k, 0)  # -1 (vLLM) and 0 both mean off
-    seed = _int(body, "seed", -(2 ** 63), 2 ** 63 - 1 - 64)  # int64, room for seed + choice
-    if seed is not None:
-        s["seed"] = seed
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
-            raise _type_error("stop", "a string or a list of strings", stop)
-        if len(stops) > 16 or any(not x for x in stops):
-            raise _value_error("stop", "at most 16 non-empty strings", stop)
-        s["stop"] = tuple(_text(x, "stop") for x in stops)
-    ignore_eos = body.get("ignore_eos")  # vLLM's extension: exact lengths for benchmarks
-    if ignore_eos is not None:
-        if not isinstance(ignore_eos, bool):
-            raise _type_error("ignore_eos", "a boolean", ignore_eos)
-        s["ignore_eos"] = ignore_eos
-    p.sampling = s
-    return p
+# -- validation errors -> ApiError --------------------------------------------------------------
+
+_WANTS = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+          "string_type": "a string", "list_type": "an array", "dict_type": "an object",
+          "model_type": "an object", "model_attributes_type": "an object"}
+_PARAM_WANTS = {"messages": "an array of messages", "tool_calls": "an array of tool calls"}
+_RANGES = ("greater_than", "greater_than_equal", "less_than", "less_than_equal",
+           "finite_number")
 
 
-def parse_chat(body: dict[str, Any], max_n: int) -> ParsedRequest:
-    _check_fields(body, CHAT_FIELDS)
-    p = _parse_common(body, "chat", max_n)
-    msgs = body.get("messages")
-    if msgs is None:
-        raise ApiError(400, "Missing required parameter: 'messages'", "messages",
-                       "missing_required_parameter")
-    if not isinstance(msgs, list):
-        raise _type_error("messages", "an array of messages", msgs)
-    if not msgs:
-        raise ApiError(400, "'messages' must contain at least one message", "messages",
-                       "invalid_value")
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _type_error(where, "an object", m)
-        role = m.get("role")
-        if role not in ROLES:
-            raise _value_error(f"{where}.role", f"must be one of {list(ROLES)}", role)
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is supported
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise ApiError(400, f"{where}.content[{j}]: only parts of type 'text' are "
-                                        "supported", f"{where}.content", "unsupported_parameter")
-                texts.append(_text(part.get("text"), f"{where}.content[{j}].text"))
-            content = "".join(texts)
-        elif content is None and role == "assistant":
-            content = ""
-        else:
-            content = _text(content, f"{where}.content")
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": content}
-        if role == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
-        if role == "tool" and m.get("tool_call_id") is not None:
-            msg["tool_call_id"] = _text(m["tool_call_id"], f"{where}.tool_call_id")
-        p.messages.append(msg)
-    mt = _int(body, "max_tokens", 1)
-    mct = _int(body, "max_completion_tokens", 1)
-    p.max_tokens = mct if mct is not None else mt
-    if mct is not None:
-        p.max_tokens_param = "max_completion_tokens"
-    lp = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", 0, 20)
-    if top is not None and not lp:
-        raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true", "top_logprobs",
-                       "invalid_value")
-    p.logprobs = (top or 0) if lp else None
-    return p
+def _type_error(name: str, want: str, value: Any) -> ApiError:
+    return ApiError(400, f"Invalid type for '{name}': expected {want}, got "
+                         f"{type(value).__name__} ({_show(value)})", name, "invalid_type")
 
 
-def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant message's `tool_calls`, checked: each a function with a name and JSON
-    arguments."""
-    if not isinstance(calls, list):
-        raise _type_error(where, "an array of tool calls", calls)
-    out = []
-    for i, c in enumerate(calls):
-        f = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise _value_error(f"{where}[{i}]", "must be {\"type\": \"function\", "
-                               "\"function\": {\"name\", \"arguments\"}}", c)
-        args = f.get("arguments") or "{}"
-        try:
-            json.loads(_text(args, f"{where}[{i}].function.arguments"))
-        except json.JSONDecodeError:
-            raise _value_error(f"{where}[{i}].function.arguments", "must be JSON text",
-                               args) from None
-        out.append({"id": str(c.get("id", "")), "type": "function",
-                    "function": {"name": f["name"], "arguments": args}})
+def _value_error(name: str, why: str, value: Any) -> ApiError:
+    return ApiError(400, f"Invalid value for '{name}': {why} (got {_show(value)})", name,
+                    "invalid_value")
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value)[:60]
+    except (TypeError, ValueError, RecursionError):
+        return type(value).__name__
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _param(loc: tuple[int | str, ...]) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
 
-def parse_completion(body: dict[str, Any], max_n: int) -> ParsedRequest:
-    _check_fields(body, COMPLETION_FIELDS)
-    p = _parse_common(body, "completion", max_n)
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise ApiError(400, "Missing required parameter: 'prompt'", "prompt",
-                       "missing_required_parameter")
-    if isinstance(prompt, str):
-        p.prompts = [_text(prompt, "prompt")]
-    elif isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
-        p.prompts = [_text(x, "prompt") for x in prompt]
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(x, int) and not isinstance(x, bool) for x in prompt):
-        p.prompts = [list(prompt)]
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool)
-                                              for t in x) for x in prompt):
-        p.prompts = [list(x) for x in prompt]
-    else:
-        raise _type_error("prompt", "a non-empty string, array of strings, array of token ids "
-                          "or array of token id arrays", prompt)
-    if len(p.prompts) * p.n > max_n:
-        raise _value_error("n", f"{len(p.prompts)} prompts x n={p.n} choices exceeds the "
-                           f"limit of {max_n} per request", p.n)
-    p.max_tokens = _int(body, "max_tokens", 1)
-    p.logprobs = _int(body, "logprobs", 0, 20)
-    return p
+def _range(model: type[BaseModel], name: str) -> str:
+    """A field's range as its errors say it ("must be between 1 and 20", "must be >= 1",
+    "must be in (0, 1]"), read from the model's JSON schema, the one /openapi.json publishes."""
+    prop = _properties(model)[name]
+    s = next((b for b in prop.get("anyOf", [prop]) if b.get("type") in ("integer", "number")),
+             {})
+    lo_open = "exclusiveMinimum" in s
+    lo, hi = s.get("exclusiveMinimum", s.get("minimum")), s.get("maximum")
+    if s.get("type") == "number":
+        return f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    return f"must be between {lo} and {hi}" if hi is not None else f"must be >= {lo}"
 
+
+@cache
+def _properties(model: type[BaseModel]) -> dict[str, Any]:
+    props: dict[str, Any] = model.model_json_schema()["properties"]
+    return props
+
+
+def api_error(e: ValidationError, model: type[BaseModel]) -> ApiError:
+    """The first of a body's validation errors (an unknown or unsupported field before any
+    other, as OpenAI answers) as the ApiError the client gets."""
+    errors = e.errors()
+    err = min(errors, key=lambda x: x["type"] not in ("extra_forbidden", "unsupported_parameter")
+              or len(x["loc"]) != 1)
+    loc, kind, value = err["loc"], err["type"], err.get("input")
+    name, ctx = _param(loc), err.get("ctx") or {}
+    if kind == "missing":
+        return ApiError(400, f"Missing required parameter: '{name}'", name,
+                        "missing_required_parameter")
+    if kind == "extra_forbidden":
+        if len(loc) > 1:
+            parent = _param(loc[:-1])
+            return ApiError(400, f"Unrecognized {parent} field(s): {[loc[-1]]}", parent,
+                            "unrecognized_argument")
+        return ApiError(400, f"Unrecognized request argument supplied: {name}", name,
+                        "unrecognized_argument")
+    if kind == "unsupported_parameter":
+        return ApiError(400, f"'{name}': {err['msg']}", name, "unsupported_parameter")
+    if kind == "invalid_text":
+        return ApiError(400, f"'{name}' is not valid UTF-8 text (lone surrogate)", name,
+                        "invalid_value")
+    if kind == "invalid_type" or kind in _WANTS:
+        want = ctx.get("want") or _PARAM_WANTS.get(str(loc[-1])) or _WANTS[kind]
+        return _type_error(name, want, value)
+    if kind in _RANGES and len(loc) == 1:
+        return _value_error(name, _range(model, name), value)
+    if kind == "string_too_short":
+        return _value_error(name, "must not be empty", value)
+    if kind == "too_short":
+        return _value_error(name, f"must have at least {ctx.get('min_length', 1)} item(s)",
+                            value)
+    if kind == "literal_error":
+        return _value_error(name, f"must be one of {ctx['expected']}", value)
+    if not name:   # about the body as a whole (a nested key pydantic cannot read, say)
+        return ApiError(400, f"Invalid request body: {err['msg']}", None, "invalid_value")
+    return _value_error(name, err["msg"], value)
+
+
+# -- a validated body -> ParsedRequest -------------------------------------------------------
 
 def parse(kind: str, body: dict[str, Any], max_n: int) -> ParsedRequest:
     """A decoded body validated for `kind` ("chat" | "completion")."""
@@ -370,7 +212,21 @@ def parse(kind: str, body: dict[str, Any], max_n: int) -> ParsedRequest:
     from xlaserve.serving.http.structured import parse_constraint
     from xlaserve.serving.http.tools import parse_tools, tool_constraint
 
-    p = parse_chat(body, max_n) if kind == "chat" else parse_completion(body, max_n)
+    model = schemas.REQUESTS[kind]
+    for k in body:   # a key with no UTF-8 form (a lone surrogate) names no field we know
+        if not _encodes(k):
+            raise ApiError(400, f"Unrecognized request argument supplied: {k}", k,
+                           "unrecognized_argument")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        raise api_error(e, model) from None
+    p = _common(req, kind, max_n)
+    if isinstance(req, ChatCompletionRequest):
+        _chat(req, p)
+    else:
+        assert isinstance(req, CompletionRequest)
+        _completion(req, p, max_n)
     p.constraint, p.constraint_param = parse_constraint(body)
     if kind == "chat":
         p.tools = parse_tools(body)
@@ -382,3 +238,61 @@ def parse(kind: str, body: dict[str, Any], max_n: int) -> ParsedRequest:
                                "invalid_value")
             p.constraint, p.constraint_param = forced, "tools"
     return p
+
+
+def _common(req: CommonRequest, kind: str, max_n: int) -> ParsedRequest:
+    p = ParsedRequest(kind, req.model, n=req.n or 1, stream=bool(req.stream),
+                      priority=req.priority or 0, user=req.user,
+                      speculative=req.speculative is not False)
+    if p.n > max_n:
+        raise _value_error("n", f"must be between 1 and {max_n}", p.n)
+    if req.stream_options is not None:
+        if not p.stream:
+            raise ApiError(400, "'stream_options' is only allowed when 'stream' is true",
+                           "stream_options", "invalid_value")
+        p.include_usage = bool(req.stream_options.include_usage)
+    s: dict[str, Any] = {name: getattr(req, name) for name in (
+        "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "seed",
+        "ignore_eos") if getattr(req, name) is not None}
+    if req.top_k is not None:
+        s["top_k"] = max(req.top_k, 0)  # -1 (vLLM) and 0 both mean off
+    if req.stop is not None:
+        s["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    p.sampling = s
+    return p
+
+
+def _chat(req: ChatCompletionRequest, p: ParsedRequest) -> None:
+    for m in req.messages:
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": m.content}
+        if m.role == "assistant" and m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments or "{}"}}
+                for c in m.tool_calls]
+        if m.role == "tool" and m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        p.messages.append(msg)
+    p.max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                    else req.max_tokens)
+    if req.max_completion_tokens is not None:
+        p.max_tokens_param = "max_completion_tokens"
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true", "top_logprobs",
+                       "invalid_value")
+    p.logprobs = (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _completion(req: CompletionRequest, p: ParsedRequest, max_n: int) -> None:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        p.prompts = [prompt]
+    elif all(isinstance(x, int) for x in prompt):
+        p.prompts = [list(prompt)]
+    else:
+        p.prompts = list(prompt)
+    if len(p.prompts) * p.n > max_n:
+        raise _value_error("n", f"{len(p.prompts)} prompts x n={p.n} choices exceeds the "
+                           f"limit of {max_n} per request", p.n)
+    p.max_tokens = req.max_tokens
+    p.logprobs = req.logprobs
