@@ -89,6 +89,10 @@ class GenerationRequest:
     deadline: float | None = None  # absolute monotonic time, for priority
     arrival_time: float = 0.0
     speculative: bool = True      # may verify draft tokens, where the model speculates
+    # Tokens already generated elsewhere (a prefill worker's first token, serving/disagg/):
+    # the engine takes them as the output so far, streams only what follows, and counts them
+    # in max_tokens and usage.
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,8 @@ class LLMEngine:
         if request.request_id in self._outputs:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         vocab = self.model_config.vocab_size
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        bad = [t for t in (*request.prompt_token_ids, *request.output_token_ids)
+               if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} are outside "
                              f"the vocabulary [0, {vocab})")
@@ -162,12 +163,13 @@ class LLMEngine:
         grammar = None if constraint is None else self.grammars.start(constraint)  # ValueError
         if not request.arrival_time:   # the caller's request stays as it was
             request = replace(request, arrival_time=time.monotonic())
-        self.scheduler.add(request)
         seed = request.sampling.seed
         if seed is None:
             seed = self._rng.getrandbits(32)
-        self._outputs[request.request_id] = OutputState.create(
-            request, self.tokenizer, seed, self.model_config.eos_token_ids, vocab, grammar)
+        state = OutputState.create(request, self.tokenizer, seed,   # ValueError
+                                   self.model_config.eos_token_ids, vocab, grammar)
+        self.scheduler.add(request)
+        self._outputs[request.request_id] = state
 
     def abort(self, request_id: str) -> bool:
         """End a request in any phase and free its blocks; False if it is unknown/finished."""

@@ -33,8 +33,14 @@ class OutputState:
         s = request.sampling
         stop_ids = frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos
                                                   else frozenset(eos_ids))
-        return cls(request, IncrementalDetokenizer(tokenizer, request.prompt_token_ids),
-                   StopStringMatcher(s.stop), seed, stop_ids, vocab_size, grammar=grammar)
+        state = cls(request, IncrementalDetokenizer(tokenizer, request.prompt_token_ids),
+                    StopStringMatcher(s.stop), seed, stop_ids, vocab_size, grammar=grammar)
+        for token in request.output_token_ids:   # generated elsewhere: taken, not streamed
+            _, reason = state.accept(token, None)
+            if reason is not None:
+                raise ValueError(f"request {request.request_id!r}: its output_token_ids end "
+                                 f"it already ({reason} at token {token})")
+        return state
 
     @property
     def uses_penalties(self) -> bool:

@@ -159,6 +159,20 @@ class BlockPool:
         self._hash_to_block[block_hash] = block_id
         return True
 
+    def adopt(self, block_hash: bytes) -> int | None:
+        """A block for contents computed elsewhere (another worker's prefix, handed over):
+        allocated, registered under `block_hash` and freed at once, so that it sits cached
+        free like any finished request's block, the most recently freed (evicted last).  The
+        caller writes its KV before the next step.  None when the prefix is here already or
+        no block is allocatable."""
+        if block_hash in self._hash_to_block or not self.num_allocatable_blocks:
+            return None
+        (block,) = self.allocate(1)
+        self._hashes[block] = block_hash
+        self._hash_to_block[block_hash] = block
+        self.free([block])
+        return block
+
     # ---- invariants -----------------------------------------------------------------------
 
     def check_integrity(self, expected_refs: Mapping[int, int] | None = None) -> None:

@@ -128,6 +128,10 @@ class Scheduler:
         if len(prompt) >= cfg.max_model_len:
             raise ValueError(f"request {rid!r}: prompt has {len(prompt)} tokens, max_model_len="
                              f"{cfg.max_model_len} leaves no room for output")
+        done = len(request.output_token_ids)
+        if done >= request.sampling.max_tokens or len(prompt) + done >= cfg.max_model_len:
+            raise ValueError(f"request {rid!r}: its {done} output_token_ids leave no room "
+                             f"for output (max_tokens={request.sampling.max_tokens})")
         # The last sampled token never needs KV: at most max_len - 1 positions are computed.
         max_len = min(len(prompt) + request.sampling.max_tokens, cfg.max_model_len)
         need = self.kv_cache.blocks_needed(max_len - 1)

@@ -40,8 +40,8 @@ class Sequence:
 
     @classmethod
     def from_request(cls, request: GenerationRequest, seq_no: int) -> Sequence:
-        tokens = list(request.prompt_token_ids)
-        return cls(request, seq_no, tokens, len(tokens))
+        prompt = list(request.prompt_token_ids)
+        return cls(request, seq_no, prompt + list(request.output_token_ids), len(prompt))
 
     @property
     def request_id(self) -> str:
