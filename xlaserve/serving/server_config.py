@@ -194,6 +194,14 @@ class GrpcClientConfig:
                              "CA that signed the workers' certificates")
 
 
+REMOTE_SCHEMES = ("grpc://", "prefill://", "decode://")
+
+
+def replica_target(replica: str) -> str:
+    """"grpc://host:port" (or prefill://, decode://) -> "host:port"."""
+    return replica.split("://", 1)[1]
+
+
 @dataclass(frozen=True)
 class ServedModel:
     name: str
@@ -202,7 +210,10 @@ class ServedModel:
     path: str = ""                # model folder (weights, tokenizer); for grpc replicas the
                                   # tokenizer is loaded from here too
     engine: str = ""              # "module:function" building a local engine: fn(ServedModel)
-    replicas: tuple[str, ...] = ("local",)   # "local" or "grpc://host:port", one per replica
+    # "local" or "grpc://host:port", one per replica; "prefill://host:port" and
+    # "decode://host:port" workers together make one replica that splits each request
+    # between them (serving/disagg/)
+    replicas: tuple[str, ...] = ("local",)
     tiers: tuple[str, ...] = ()   # tiers allowed to use this model; () = all
     max_inflight: int = 64        # per replica: requests handed to the engine at once
     max_queue: int = 256          # admission queue bound for the whole model
@@ -211,6 +222,8 @@ class ServedModel:
                                   # float32 | bfloat16 | float16; None: the model folder's
     quantization: str | None = None   # "int8": weight-only int8 (a float folder is quantized
                                       # as it loads); None: the model folder's
+    spawn_workers: bool = False   # `xlaserve serve` starts the prefill:// and decode://
+                                  # workers (loopback) as its child processes
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -223,9 +236,17 @@ class ServedModel:
         if not self.replicas:
             raise ValueError(f"models[{self.name}].replicas: at least one replica")
         for r in self.replicas:
-            if r != "local" and not r.startswith("grpc://"):
-                raise ValueError(f"models[{self.name}].replicas: {r!r} is not 'local' or "
-                                 "'grpc://host:port'")
+            if r != "local" and not r.startswith(REMOTE_SCHEMES):
+                raise ValueError(f"models[{self.name}].replicas: {r!r} is not 'local', "
+                                 "'grpc://host:port', 'prefill://host:port' or "
+                                 "'decode://host:port'")
+        roles = {r.split("://")[0] for r in self.replicas} & {"prefill", "decode"}
+        if roles and roles != {"prefill", "decode"}:
+            raise ValueError(f"models[{self.name}].replicas: prefill:// and decode:// workers "
+                             f"come together; only {sorted(roles)} given")
+        if self.spawn_workers and not roles:
+            raise ValueError(f"models[{self.name}].spawn_workers: no prefill:// or decode:// "
+                             "replicas to start")
         for t in self.tiers:
             parse_tier(t)
         if self.max_inflight < 1 or self.max_queue < 0:
@@ -288,7 +309,7 @@ class ServerConfig:
         for m in self.models:
             for r in m.replicas:
                 if r != "local":
-                    self.grpc.check_target(r.removeprefix("grpc://"))
+                    self.grpc.check_target(replica_target(r))
         ids = [m.id for m in self.models]
         if len(set(ids)) != len(ids):
             raise ValueError(f"models: duplicate name@version in {ids}")

@@ -93,6 +93,18 @@ class GenerationRequest:
     # the engine takes them as the output so far, streams only what follows, and counts them
     # in max_tokens and usage.
     output_token_ids: tuple[int, ...] = ()
+    # Its output continues on another engine (a prefill worker's part of a split request): a
+    # length finish keeps the text held back (detokenizer, stop strings) unsent, as the
+    # engine that continues emits it.
+    continues: bool = False
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """What fetching a resumed request's prompt KV from another worker moved."""
+    blocks: int
+    nbytes: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,7 @@ class EngineEvent:
     finish_reason: str | None = None            # stop | length | abort | error
     usage: Usage | None = None                  # on the final event
     error: str | None = None
+    kv_handoff: KVHandoff | None = None         # on a resumed request's first event
 
     @property
     def finished(self) -> bool:

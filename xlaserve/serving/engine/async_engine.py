@@ -33,9 +33,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from xlaserve.serving.engine.config import EngineConfig
 from xlaserve.serving.engine.engine import LLMEngine
@@ -43,6 +43,7 @@ from xlaserve.serving.engine_api import EngineStats, ServiceCosts
 from xlaserve.serving.types import EngineEvent, GenerationRequest
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LAUNCH_LEAD_S = 0.004   # launch the next step this long before the running one should end
 POLL_S = 0.001          # how often the wait for the launch window checks the device
@@ -188,6 +189,17 @@ class ThreadedEngine:
     async def abort(self, request_id: str) -> None:
         self._post_abort(request_id)
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` run on the engine thread between two steps (the LLMEngine is touched
+        by that thread only): the KV handoff's export and import (engine/kv_handoff.py)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._wake:
+            if self.fatal_error is not None:
+                raise RuntimeError(self.fatal_error)
+            self._inbox.append(("call", (fn, future)))
+            self._wake.notify()
+        return await asyncio.wrap_future(future)
+
     async def _aborted_released(self, rid: str) -> None:
         """Wait while `rid` is held by an aborted request the engine thread has not let go of
         (its abort event would otherwise reach the new request's stream)."""
@@ -251,6 +263,12 @@ class ThreadedEngine:
                 except ValueError as e:
                     self._deliver(EngineEvent(payload.request_id, finish_reason="error",
                                               error=str(e)))
+            elif kind == "call":
+                fn, future = payload
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:  # the caller's to handle
+                    future.set_exception(e)
             else:
                 self.engine.abort(payload)
 
@@ -322,6 +340,7 @@ class ThreadedEngine:
         with self._wake:
             self.fatal_error = self.last_error = error
             waiters, self._waiters = dict(self._waiters), {}
+            calls = [p for kind, p in self._inbox if kind == "call"]
             self._inbox.clear()
             failure_waiters, self._failure_waiters = self._failure_waiters, []
         for rid, waiter in waiters.items():
@@ -330,6 +349,8 @@ class ThreadedEngine:
             waiter.released.set_result(None)
         for loop, future in failure_waiters:
             loop.call_soon_threadsafe(_resolve, future, error)
+        for _, call in calls:
+            call.set_exception(RuntimeError(error))
 
 
 def _resolve(future: asyncio.Future[str], value: str) -> None:

@@ -363,7 +363,7 @@ class LLMEngine:
             if reason is None and (len(state.output_ids) >= state.request.sampling.max_tokens
                                    or i == len(tokens) - 1):
                 reason = self.scheduler.length_finish_reason(rid)
-                if reason is not None:
+                if reason is not None and not state.request.continues:
                     tail, stopped = state.flush_text()
                     reason = "stop" if stopped else reason   # a stop string matched last
                     text.append(tail)

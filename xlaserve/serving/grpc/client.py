@@ -107,14 +107,18 @@ class RemoteEngine:
     def service_costs(self) -> ServiceCosts:
         return self._costs
 
-    async def submit(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
+    async def submit(self, request: GenerationRequest, *, kv_source: str = ""
+                     ) -> AsyncIterator[EngineEvent]:
+        """`kv_source` ("host:port"): the worker holding the prompt's KV, fetched by this
+        worker before the request is queued (serving/disagg/)."""
         if self._stub is None:
             await self.start()
         assert self._stub is not None
+        message = request_to_pb(request, self.model_name)
+        message.kv_source = kv_source
         # the caller's current span (the front end's engine span) rides along: the worker's
         # span joins the request's trace (telemetry.py)
-        call = self._stub.Generate(request_to_pb(request, self.model_name),
-                                   metadata=Telemetry.inject([]))
+        call = self._stub.Generate(message, metadata=Telemetry.inject([]))
         finished = False
         try:
             async for m in call:

@@ -8,6 +8,7 @@ from xlaserve.serving.structured.constraint import Constraint
 from xlaserve.serving.types import (
     EngineEvent,
     GenerationRequest,
+    KVHandoff,
     SamplingParams,
     Tier,
     TokenLogprob,
@@ -47,7 +48,8 @@ def request_to_pb(r: GenerationRequest, model: str) -> pb.GenerateRequest:
     return pb.GenerateRequest(model=model, request_id=r.request_id,
                               prompt_token_ids=r.prompt_token_ids,
                               sampling=sampling_to_pb(r.sampling), tier=int(r.tier),
-                              priority=r.priority, tenant=r.tenant)
+                              priority=r.priority, tenant=r.tenant, continues=r.continues,
+                              output_token_ids=list(r.output_token_ids))
 
 
 def event_to_pb(e: EngineEvent) -> pb.GenerateResponse:
@@ -61,6 +63,9 @@ def event_to_pb(e: EngineEvent) -> pb.GenerateResponse:
         m.usage.CopyFrom(pb.Usage(prompt_tokens=e.usage.prompt_tokens,
                                   completion_tokens=e.usage.completion_tokens,
                                   cached_tokens=e.usage.cached_tokens))
+    if e.kv_handoff is not None:
+        h = e.kv_handoff
+        m.kv_blocks, m.kv_bytes, m.kv_seconds = h.blocks, h.nbytes, h.seconds
     return m
 
 
@@ -73,7 +78,8 @@ def event_from_pb(m: pb.GenerateResponse) -> EngineEvent:
         finish_reason=m.finish_reason or None,
         usage=Usage(m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.cached_tokens)
         if m.HasField("usage") else None,
-        error=m.error or None)
+        error=m.error or None,
+        kv_handoff=KVHandoff(m.kv_blocks, m.kv_bytes, m.kv_seconds) if m.kv_seconds else None)
 
 
 def tier_from_pb(v: int) -> Tier:

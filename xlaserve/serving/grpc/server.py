@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import secrets
 import signal
 import sys
@@ -34,10 +36,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from xlaserve.serving.disagg.transfer import PrefixFetcher, to_messages
+from xlaserve.serving.engine.kv_handoff import export_prefix, import_prefix
 from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
-from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV, WorkerAuth
+from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV, WorkerAuth, channel_credentials
 from xlaserve.serving.grpc.convert import event_to_pb, sampling_from_pb, stats_to_pb, tier_from_pb
 from xlaserve.serving.server_config import (
     ServedModel,
@@ -46,20 +50,32 @@ from xlaserve.serving.server_config import (
     with_model_overrides,
 )
 from xlaserve.serving.telemetry import Telemetry
-from xlaserve.serving.types import EngineEvent, GenerationRequest
+from xlaserve.serving.types import EngineEvent, GenerationRequest, KVHandoff
 
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name   # "xlaserve.v1.Generation"
 SERVICES = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME)   # what reflection lists
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engines: Mapping[str, AsyncEngine], telemetry: Telemetry | None = None):
+    def __init__(self, engines: Mapping[str, AsyncEngine], telemetry: Telemetry | None = None,
+                 fetcher: PrefixFetcher | None = None, role: str = "both"):
+        """`fetcher` dials the workers a request's kv_source names (default: plain loopback
+        channels); `role` (prefill | decode | both) the parts of split requests it takes: a
+        prefill worker refuses decode parts (kv_source set), a decode worker prefill parts
+        (continues set), so that a misconfigured router fails loudly."""
+        if role not in ROLES:
+            raise ValueError(f"role={role!r}: choose from {ROLES}")
+        self.role = role
         if not engines:
             raise ValueError("GenerationServicer needs at least one engine")
         self.engines = dict(engines)
         self.inflight: set[str] = set()
         self.telemetry = telemetry or Telemetry()
+        self.fetcher = fetcher or PrefixFetcher(lambda target: None)
 
     async def _engine(self, name: str, context: grpc.aio.ServicerContext) -> AsyncEngine:
         if not name and len(self.engines) == 1:
@@ -86,6 +102,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(bad, f"prompt ({len(ids)} tokens) + max_tokens "
                                      f"({sampling.max_tokens}) > max_model_len "
                                      f"{engine.max_model_len}")
+        if (self.role == "prefill" and request.kv_source) or (
+                self.role == "decode" and request.continues):
+            await context.abort(bad, f"this is a {self.role} worker: it does not take the "
+                                     f"{'decode' if request.kv_source else 'prefill'} part "
+                                     "of a split request")
         rid = request.request_id or "grpc-" + secrets.token_hex(8)
         if rid in self.inflight:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is running")
@@ -99,11 +120,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                           context.invocation_metadata(), {
                                               "xlaserve.engine_request_id": rid,
                                               "xlaserve.prompt_tokens": len(ids)})
-        stream = engine.submit(GenerationRequest(rid, ids, sampling, tier, request.priority,
-                                                 request.tenant, None, loop.time()))
+        handoff = None
+        if request.kv_source:   # a decode worker's part of a split request: its prompt's KV
+            handoff = await adopt_prefix(self.fetcher, engine, request.kv_source,
+                                         request.model, ids, request.tenant)
+        stream = engine.submit(GenerationRequest(
+            rid, ids, sampling, tier, request.priority, request.tenant, None, loop.time(),
+            output_token_ids=tuple(request.output_token_ids), continues=request.continues))
         try:
             async for ev in stream:
                 times.saw(ev)
+                if handoff is not None:
+                    ev, handoff = dataclasses.replace(ev, kv_handoff=handoff), None
                 yield event_to_pb(ev)
                 if ev.finished:
                     finished = True
@@ -135,6 +163,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             self.inflight.discard(rid)
 
+    async def ExportKV(self, request: pb.ExportKVRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KVBlocks]:
+        engine = await self._engine(request.model, context)
+        call = getattr(engine, "call", None)
+        if call is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                f"{type(engine).__name__} cannot export its KV")
+        ids, tenant = list(request.prompt_token_ids), request.tenant
+        kv = await call(lambda e: export_prefix(e, ids, tenant))
+        for message in to_messages(kv):
+            yield message
+
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         engines = [await self._engine(request.model, context)] if request.model else \
@@ -153,6 +193,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                        context: grpc.aio.ServicerContext) -> pb.EngineStats:
         e = await self._engine(request.model, context)
         return stats_to_pb(e.stats(), e.service_costs(), e.ready)
+
+
+async def adopt_prefix(fetcher: PrefixFetcher, engine: AsyncEngine, source: str, model: str,
+                       ids: list[int], tenant: str) -> KVHandoff | None:
+    """Fetch the prompt's KV from the worker at `source` and adopt it into `engine`'s prefix
+    cache.  Any failure (the source gone, its blocks evicted, an engine that cannot import)
+    only means the prompt is computed here: logged, never the request's error."""
+    call = getattr(engine, "call", None)
+    if call is None:
+        return None
+    try:
+        kv, handoff = await fetcher.fetch(source, model, ids, tenant)
+        if kv is not None:
+            await call(lambda e: import_prefix(e, ids, tenant, kv))
+        return handoff
+    except (grpc.aio.AioRpcError, ValueError, RuntimeError) as e:
+        log.warning("KV handoff from %s failed, computing the prompt here: %s", source, e)
+        return None
 
 
 @dataclass
@@ -189,7 +247,8 @@ async def _watch_health(health: HealthServicer, engines: Mapping[str, AsyncEngin
 
 
 async def start_grpc_server(engines: Mapping[str, AsyncEngine], address: str,
-                            auth: WorkerAuth = WorkerAuth(), telemetry: Telemetry | None = None
+                            auth: WorkerAuth = WorkerAuth(), telemetry: Telemetry | None = None,
+                            fetcher: PrefixFetcher | None = None, role: str = "both"
                             ) -> tuple[grpc.aio.Server, int, asyncio.Task[None]]:
     """Start serving on `address` ("host:port", port 0 = any) with `auth`'s credentials (the
     default: none, loopback only), spans to `telemetry` (default: none); returns (server,
@@ -197,7 +256,8 @@ async def start_grpc_server(engines: Mapping[str, AsyncEngine], address: str,
     down."""
     auth.check_bind(target_host(address))
     server = grpc.aio.server(interceptors=auth.interceptors())
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engines, telemetry), server)
+    pb_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(engines, telemetry, fetcher, role), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(SERVICES, server)
@@ -211,12 +271,14 @@ async def start_grpc_server(engines: Mapping[str, AsyncEngine], address: str,
 
 async def serve_grpc(engines: Mapping[str, AsyncEngine], address: str,
                      shutdown: asyncio.Event, auth: WorkerAuth = WorkerAuth(),
-                     telemetry: Telemetry | None = None) -> None:
+                     telemetry: Telemetry | None = None,
+                     fetcher: PrefixFetcher | None = None, role: str = "both") -> None:
     for e in engines.values():
         start = getattr(e, "start", None)
         if start is not None:
             await start()
-    server, _, watcher = await start_grpc_server(engines, address, auth, telemetry)
+    server, _, watcher = await start_grpc_server(engines, address, auth, telemetry, fetcher,
+                                                 role)
     try:
         await shutdown.wait()
     finally:
@@ -235,6 +297,10 @@ def _parse_worker_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="model name or name@version in the config")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--role", choices=ROLES, default="both",
+                   help="the part of split requests it takes (serving/disagg/): prefill "
+                        "(prompt to first token, exports KV), decode (fetches KV, decodes), "
+                        "both (either, and whole requests)")
     p.add_argument("--dtype", help="weight dtype (auto | float32 | bfloat16 | float16; auto: "
                                    "float32 on CPU, bfloat16 on GPU): sets the model's dtype")
     p.add_argument("--tls-cert", default="", metavar="PEM",
@@ -283,8 +349,11 @@ async def _serve_worker(args: argparse.Namespace, auth: WorkerAuth) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, shutdown.set)
+    # a decode worker dials the prefill workers it fetches KV from as the front end dials
+    # its workers: the [grpc] table of the same config
+    fetcher = PrefixFetcher(lambda target: channel_credentials(config.grpc, target))
     await serve_grpc({m.name: engine}, f"{args.host}:{args.port}", shutdown, auth,
-                     Telemetry.from_config(config.tracing))
+                     Telemetry.from_config(config.tracing), fetcher, args.role)
 
 
 def worker_main(argv: list[str] | None = None) -> int:

@@ -39,7 +39,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., constraint_kind: _Optional[str] = ..., constraint_spec: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "request_id", "prompt_token_ids", "prompt", "sampling", "tier", "priority", "tenant")
+    __slots__ = ("model", "request_id", "prompt_token_ids", "prompt", "sampling", "tier", "priority", "tenant", "continues", "output_token_ids", "kv_source")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,9 @@ class GenerateRequest(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     model: str
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -56,7 +59,36 @@ class GenerateRequest(_message.Message):
     tier: int
     priority: int
     tenant: str
-    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tier: _Optional[int] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    continues: bool
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_source: str
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tier: _Optional[int] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., continues: _Optional[bool] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_source: _Optional[str] = ...) -> None: ...
+
+class ExportKVRequest(_message.Message):
+    __slots__ = ("model", "prompt_token_ids", "tenant")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tenant: str
+    def __init__(self, model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class KVBlocks(_message.Message):
+    __slots__ = ("block_size", "first_block", "shape", "dtype", "k", "v")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    first_block: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    k: bytes
+    v: bytes
+    def __init__(self, block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -81,7 +113,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage", "error")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage", "error", "kv_blocks", "kv_bytes", "kv_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +121,9 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -96,7 +131,10 @@ class GenerateResponse(_message.Message):
     finish_reason: str
     usage: Usage
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    kv_blocks: int
+    kv_bytes: int
+    kv_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "model")

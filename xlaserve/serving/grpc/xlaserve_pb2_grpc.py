@@ -54,13 +54,22 @@ class GenerationStub:
                 request_serializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.EngineStats.FromString,
                 _registered_method=True)
+        self.ExportKV = channel.unary_stream(
+                '/xlaserve.v1.Generation/ExportKV',
+                request_serializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.ExportKVRequest.SerializeToString,
+                response_deserializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.KVBlocks.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Server-streaming tokens and text deltas; the last message has finish_reason set.
+        """Server-streaming tokens and text deltas; the last message has finish_reason set (or
+        error, with finish_reason "error").  Status codes: INVALID_ARGUMENT for a bad request
+        (no prompt, bad sampling, prompt + max_tokens > max_model_len), NOT_FOUND for a model
+        not served, ALREADY_EXISTS while a request with the same request_id is running (the id
+        is free again once its abort reached the engine), UNAVAILABLE while warming up.
         Cancelling the call or passing its deadline aborts the engine request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -68,19 +77,35 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Aborts request_id (on every model when model is empty); idempotent: an unknown or
+        finished id is not an error.  The aborted Generate stream ends with finish_reason
+        "abort".
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The models served, with their context length and readiness.  Cheap: no engine step.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The engine's counters and measured step costs (what admission projects waits from);
+        cheap, meant to be polled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportKV(self, request, context):
+        """The prefill/decode split (serving/disagg/): the KV this worker holds for the leading
+        full blocks of a prompt (found by their chained hashes in its prefix cache), streamed a
+        few whole blocks per message, in order; none when they are no longer cached.  A decode
+        worker calls it on the worker a GenerateRequest's kv_source names.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -107,6 +132,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.GetStatsRequest.FromString,
                     response_serializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.EngineStats.SerializeToString,
+            ),
+            'ExportKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportKV,
+                    request_deserializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.ExportKVRequest.FromString,
+                    response_serializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.KVBlocks.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +247,33 @@ class Generation:
             '/xlaserve.v1.Generation/GetStats',
             xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.GetStatsRequest.SerializeToString,
             xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.EngineStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/xlaserve.v1.Generation/ExportKV',
+            xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.ExportKVRequest.SerializeToString,
+            xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.KVBlocks.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,11 +46,17 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config as HyperConfig
 
 from xlaserve.serving.admission import AdmissionController
+from xlaserve.serving.disagg.workers import SpawnedWorkers, worker_commands
 from xlaserve.serving.engine_api import AsyncEngine, ServiceCosts
 from xlaserve.serving.http.app import create_app
 from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.router import ModelGroup, Replica, Router
-from xlaserve.serving.server_config import ServerConfig, config_from_dict, with_model_overrides
+from xlaserve.serving.server_config import (
+    ServerConfig,
+    config_from_dict,
+    replica_target,
+    with_model_overrides,
+)
 from xlaserve.sharding.distributed import (
     DistributedConfig,
     PeerFailure,
@@ -92,16 +98,18 @@ def _import(path: str) -> Any:
 
 
 async def build_model_engines(config: ServerConfig) -> dict[str, list[AsyncEngine]]:
+    from xlaserve.serving.disagg.engine import DisaggregatedEngine
     from xlaserve.serving.grpc.auth import channel_credentials
     from xlaserve.serving.grpc.client import RemoteEngine
     from xlaserve.serving.tokenizer import Tokenizer
 
     # every worker's credentials first: a missing file or token fails before any engine loads
-    credentials = {r: channel_credentials(config.grpc, r.removeprefix("grpc://"))
+    credentials = {r: channel_credentials(config.grpc, replica_target(r))
                    for m in config.models for r in m.replicas if r != "local"}
     out: dict[str, list[AsyncEngine]] = {}
     for m in config.models:
         reps: list[AsyncEngine] = []
+        split: dict[str, list[RemoteEngine]] = {"prefill": [], "decode": []}
         for r in m.replicas:
             if r == "local":
                 if not m.engine:
@@ -113,8 +121,12 @@ async def build_model_engines(config: ServerConfig) -> dict[str, list[AsyncEngin
                 reps.extend(e if isinstance(e, (list, tuple)) else [e])
             else:
                 # started (channel opened) by the app in its serving loop
-                reps.append(RemoteEngine(r.removeprefix("grpc://"), m.name,
-                                         Tokenizer.load(m.path), credentials=credentials[r]))
+                remote = RemoteEngine(replica_target(r), m.name, Tokenizer.load(m.path),
+                                      credentials=credentials[r])
+                scheme = r.split("://", 1)[0]
+                (split[scheme] if scheme in split else reps).append(remote)
+        if split["prefill"]:
+            reps.append(DisaggregatedEngine(split["prefill"], split["decode"], m.name))
         out[m.id] = reps
     return out
 
@@ -252,7 +264,8 @@ def serve_main(argv: list[str] | None = None) -> int:
             initialize(distributed)   # before any device use: jax.devices() spans the job
             if distributed.process_id != 0:
                 return follow_main(config)
-        asyncio.run(serve_async(config))
+        with SpawnedWorkers(worker_commands(args.config, config)):
+            asyncio.run(serve_async(config))
     except PeerFailure as e:
         print(f"xlaserve serve: error: {e}", file=sys.stderr)
         exit_now(1)   # not jax's exit handler: it would wait for the dead peer

@@ -1,0 +1,173 @@
+"""`DisaggregatedEngine`: one replica to the router, made of prefill workers and decode
+workers (each an `xlaserve worker` behind a RemoteEngine); the AsyncEngine protocol.
+
+    submit(request)
+      1. a prefill worker (the least loaded live one) runs the prompt to its first token:
+         the request with max_tokens 1 and `continues` (text held back stays held)
+         -> the first token's event goes to the client at once (time to first token)
+      2. a decode worker (the least loaded live one) gets the request with that token as its
+         output so far and `kv_source` = the prefill worker: it fetches the prompt's KV
+         (ExportKV), adopts it into its prefix cache and decodes the rest
+         -> its events follow; the final usage is the decode side's, with the prefill side's
+            prefix-cache hits as `cached_tokens`
+
+A request that ends at its first token (a stop token, max_tokens 1, the context full) never
+reaches a decode worker.  A prefill worker that fails before the first token (gone, refused,
+an error event) is retried once on another live prefill worker; a decode worker that fails
+ends the request with its error event.  Blocks are never held for the handoff on either side
+(engine/kv_handoff.py), so an abort or a dead worker at any point leaks nothing: the request's
+blocks on each worker are freed by that worker's own abort or finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+
+from xlaserve.serving.engine_api import EngineStats, ServiceCosts
+from xlaserve.serving.grpc.client import RemoteEngine
+from xlaserve.serving.types import EngineEvent, GenerationRequest, KVHandoff, Usage
+
+
+class DisaggregatedEngine:
+    def __init__(self, prefill: Sequence[RemoteEngine], decode: Sequence[RemoteEngine],
+                 model_name: str):
+        if not prefill or not decode:
+            raise ValueError(f"a disaggregated replica needs prefill and decode workers, got "
+                             f"{len(prefill)} and {len(decode)}")
+        self.prefill = list(prefill)
+        self.decode = list(decode)
+        self.model_name = model_name
+        self.tokenizer = self.decode[0].tokenizer
+        self.handoffs: list[KVHandoff] = []   # what each request's KV fetch moved (metrics)
+        self._where: dict[str, list[RemoteEngine]] = {}   # request id -> workers it is on
+
+    @property
+    def workers(self) -> list[RemoteEngine]:
+        return self.prefill + self.decode
+
+    @property
+    def ready(self) -> bool:
+        return any(w.ready for w in self.prefill) and any(w.ready for w in self.decode)
+
+    @property
+    def max_model_len(self) -> int:
+        return min(w.max_model_len for w in self.workers)
+
+    async def start(self) -> None:
+        await asyncio.gather(*(w.start() for w in self.workers))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(w.stop() for w in self.workers))
+
+    def stats(self) -> EngineStats:
+        """The decode workers' load (where requests spend their time), both sides' caches."""
+        d = [w.stats() for w in self.decode]
+        p = [w.stats() for w in self.prefill]
+        return EngineStats(
+            num_running=sum(s.num_running for s in d),
+            num_waiting=sum(s.num_waiting for s in d + p),
+            kv_blocks_total=sum(s.kv_blocks_total for s in d + p),
+            kv_blocks_used=sum(s.kv_blocks_used for s in d + p),
+            kv_blocks_cached=sum(s.kv_blocks_cached for s in d + p),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in p),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in p),
+            num_preemptions=sum(s.num_preemptions for s in d + p),
+            num_finished=sum(s.num_finished for s in d))
+
+    def service_costs(self) -> ServiceCosts:
+        """Decode steps cost what the decode workers' do; prompts go at the prefill workers'
+        summed rate."""
+        d = [w.service_costs() for w in self.decode]
+        p = [w.service_costs() for w in self.prefill]
+        return ServiceCosts(sum(c.max_running for c in d),
+                            max((c.step_s for c in d), default=0.0),
+                            sum(c.prefill_tokens_per_s for c in p))
+
+    @staticmethod
+    def _pick(workers: Sequence[RemoteEngine], avoid: RemoteEngine | None = None
+              ) -> RemoteEngine | None:
+        live = [w for w in workers if w.ready and w is not avoid]
+        if not live:
+            return None
+        return min(live, key=lambda w: (w.stats().num_running + w.stats().num_waiting))
+
+    async def submit(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        rid = request.request_id
+        if rid in self._where:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        self._where[rid] = []
+        try:
+            first, source = await self._prefill(request)
+            if first.error is not None or self._ends_at_first(request, first):
+                yield first
+                return
+            yield dataclasses.replace(first, finish_reason=None, usage=None)
+            async for ev in self._decode(request, first, source):
+                yield ev
+        finally:
+            self._where.pop(rid, None)
+
+    def _ends_at_first(self, request: GenerationRequest, first: EngineEvent) -> bool:
+        """Did the prefill side's finish end the request itself (a stop, not just its
+        one-token budget)?"""
+        if first.finish_reason != "length":
+            return True
+        return (request.sampling.max_tokens <= 1
+                or len(request.prompt_token_ids) + 1 >= self.max_model_len)
+
+    async def _prefill(self, request: GenerationRequest) -> tuple[EngineEvent, RemoteEngine]:
+        """The first token's event (finished: its worker's final event) and the worker; one
+        retry on another prefill worker when the first fails without a token."""
+        part = dataclasses.replace(request, continues=True, sampling=dataclasses.replace(
+            request.sampling, max_tokens=1))
+        tried: RemoteEngine | None = None
+        for _ in range(2):
+            worker = self._pick(self.prefill, avoid=tried)
+            if worker is None:
+                break
+            tried = worker
+            self._where[request.request_id] = [worker]
+            events = [ev async for ev in worker.submit(part)]
+            first = _merge(events)
+            if first.error is None or first.token_ids:
+                return first, worker
+        error = "no prefill worker could run the prompt" + (
+            f" (last: {first.error})" if tried is not None else " (none is ready)")
+        return EngineEvent(request.request_id, finish_reason="error", error=error,
+                           usage=Usage(len(request.prompt_token_ids), 0)), tried
+
+    async def _decode(self, request: GenerationRequest, first: EngineEvent,
+                      source: RemoteEngine) -> AsyncIterator[EngineEvent]:
+        worker = self._pick(self.decode)
+        if worker is None:
+            yield EngineEvent(request.request_id, finish_reason="error",
+                              error="no decode worker is ready", usage=first.usage)
+            return
+        self._where[request.request_id] = [worker]
+        part = dataclasses.replace(request, output_token_ids=first.token_ids)
+        cached = first.usage.cached_tokens if first.usage is not None else 0
+        async for ev in worker.submit(part, kv_source=source.target):
+            if ev.kv_handoff is not None:
+                self.handoffs.append(ev.kv_handoff)
+            if ev.usage is not None:
+                ev = dataclasses.replace(ev, usage=dataclasses.replace(ev.usage,
+                                                                       cached_tokens=cached))
+            yield ev
+
+    async def abort(self, request_id: str) -> None:
+        for w in self._where.get(request_id, []):
+            await w.abort(request_id)
+
+
+def _merge(events: Sequence[EngineEvent]) -> EngineEvent:
+    """A one-token request's events as one (its tokens, text, logprobs; the final's reason,
+    usage and error)."""
+    if not events:
+        return EngineEvent("", finish_reason="error", error="no events")
+    last = events[-1]
+    return dataclasses.replace(
+        last, token_ids=tuple(t for e in events for t in e.token_ids),
+        text="".join(e.text for e in events),
+        logprobs=tuple(lp for e in events for lp in e.logprobs))
