@@ -1,5 +1,6 @@
-"""Prefill and decode on separate `xlaserve worker` processes (serving/disagg/), behind an
-`xlaserve serve` front end (configs/disagg.toml), every hop carrying the bearer token:
+"""Prefill and decode on separate `xlaserve worker` processes (serving/disagg/), started by an
+`xlaserve serve` front end as its children (configs/disagg.toml: spawn_workers, as the
+smollm2-disagg preset), every hop carrying the bearer token:
 
 - greedy outputs through prefill worker -> KV over gRPC -> decode worker equal the unified
   engine's (the decode worker serving whole requests, as any worker does) for the 8-prompt
@@ -14,6 +15,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +27,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.system.conftest import MODEL, HttpServer, Proc, free_port, wait_for, write_config
+from tests.system.conftest import MODEL, HttpServer, free_port, wait_for, write_config
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
 from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV
@@ -34,27 +37,30 @@ TOKEN = "disagg-test-token-0123456789abcdef"
 LENGTHS = (17, 40, 64, 95, 128, 161, 230, 300)
 
 
-class Worker(Proc):
-    def __init__(self, role: str, config: Path, port: int, log_dir: Path):
-        super().__init__(f"{role}-worker", ["worker", "--config", str(config), "--model", MODEL,
-                                            "--port", str(port), "--role", role],
-                         log_dir, env={DEFAULT_TOKEN_ENV: TOKEN})
+class Worker:
+    """A worker the front end spawned, reached over gRPC with the token."""
+
+    def __init__(self, port: int):
+        self.port = port
         self.channel = grpc.secure_channel(
             f"127.0.0.1:{port}", grpc.composite_channel_credentials(
                 grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP),
                 grpc.access_token_call_credentials(TOKEN)))
         self.stub = pb_grpc.GenerationStub(self.channel)
 
+    def pid(self) -> int:
+        """Its process, found by its command line (`... worker ... --port P ...`)."""
+        for d in Path("/proc").iterdir():
+            try:
+                args = (d / "cmdline").read_bytes().split(b"\0")
+            except (OSError, ValueError):
+                continue
+            if b"worker" in args and str(self.port).encode() in args and d.name.isdigit():
+                return int(d.name)
+        raise LookupError(f"no worker process on port {self.port}")
+
     def stats(self) -> pb.EngineStats:
         return self.stub.GetStats(pb.GetStatsRequest(model=MODEL), timeout=5)
-
-    def is_ready(self) -> bool:
-        if not self.alive:
-            self.fail("exited before it was ready")
-        try:
-            return self.stats().ready
-        except grpc.RpcError:
-            return False
 
     def idle(self) -> bool:
         s = self.stats()
@@ -67,10 +73,6 @@ class Worker(Proc):
                                  sampling=pb.SamplingParams(max_tokens=max_tokens,
                                                             ignore_eos=True))
         return [t for m in self.stub.Generate(req, timeout=120) for t in m.token_ids]
-
-    def stop(self) -> int:
-        self.channel.close()
-        return super().stop()
 
 
 class Split:
@@ -95,23 +97,24 @@ def split(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     d = tmp_path_factory.mktemp("disagg")
     ports = {"prefill": free_port(), "decode": free_port(), "port": free_port()}
     cfg = write_config("disagg.toml", d / "disagg.toml", model_dir=model_dir, **ports)
-    procs: list[Proc] = []
+    front = HttpServer("front-disagg", cfg, ports["port"], d, env={DEFAULT_TOKEN_ENV: TOKEN})
     try:
-        prefill = Worker("prefill", cfg, ports["prefill"], d)
-        decode = Worker("decode", cfg, ports["decode"], d)
-        procs += [prefill, decode]
-        for w in (prefill, decode):
-            if not wait_for(w.is_ready, 300, 0.25):
-                w.fail("not ready")
-        front = HttpServer("front-disagg", cfg, ports["port"], d,
-                           env={DEFAULT_TOKEN_ENV: TOKEN})
-        procs.append(front)
-        yield Split(prefill, decode, front.wait_ready(60))
+        front.wait_ready()    # once both workers it started are warm
+        yield Split(Worker(ports["prefill"]), Worker(ports["decode"]), front)
         assert front.alive, front.log_tail()
     finally:
-        codes = {p.name: p.stop() for p in procs}
-    # a clean exit on SIGTERM, but for the prefill worker the last test SIGKILLed
-    assert codes["decode-worker"] == 0 and codes["front-disagg"] == 0, codes
+        code = front.stop()
+    assert code == 0, front.log_tail()
+    workers_left = [p for p in ("prefill", "decode") if _alive(ports[p])]
+    assert not workers_left, f"{workers_left} workers outlived the server"
+
+
+def _alive(port: int) -> bool:
+    try:
+        Worker(port).pid()
+    except LookupError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +202,7 @@ def test_prefill_worker_killed_mid_request_is_an_explicit_error(split, prompts):
     t = threading.Thread(target=send)
     t.start()
     assert wait_for(lambda: split.prefill.stats().num_running > 0, 30)
-    split.prefill.kill()
+    os.kill(split.prefill.pid(), signal.SIGKILL)
     t.join(60)
     assert not t.is_alive(), "the request hung after its prefill worker died"
     assert result["status"] >= 500, result

@@ -66,6 +66,7 @@ from xlaserve.sharding.distributed import (
 )
 
 log = logging.getLogger(__name__)
+SPAWN_TIMEOUT_S = 600.0   # how long a spawned worker may take to load its model
 
 
 def build_state(config: ServerConfig, engines: Mapping[str, Sequence[AsyncEngine]]
@@ -121,8 +122,11 @@ async def build_model_engines(config: ServerConfig) -> dict[str, list[AsyncEngin
                 reps.extend(e if isinstance(e, (list, tuple)) else [e])
             else:
                 # started (channel opened) by the app in its serving loop
+                # a worker this server spawns is waited for while it loads the model
                 remote = RemoteEngine(replica_target(r), m.name, Tokenizer.load(m.path),
-                                      credentials=credentials[r])
+                                      credentials=credentials[r],
+                                      connect_timeout=SPAWN_TIMEOUT_S if m.spawn_workers
+                                      else 30.0)
                 scheme = r.split("://", 1)[0]
                 (split[scheme] if scheme in split else reps).append(remote)
         if split["prefill"]:
@@ -138,6 +142,8 @@ def hypercorn_config(config: ServerConfig, port: int | None = None) -> HyperConf
         hc.certfile, hc.keyfile = config.tls_cert, config.tls_key
     hc.accesslog = None
     hc.graceful_timeout = 5
+    if any(m.spawn_workers for m in config.models):   # start-up waits for the workers
+        hc.startup_timeout = SPAWN_TIMEOUT_S
     return hc
 
 
