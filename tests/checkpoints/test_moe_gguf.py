@@ -1,6 +1,7 @@
 """Mixture-of-experts GGUF files as llama.cpp lays them out, written here from tiny random HF
 models: Mixtral as `llama` with `llama.expert_count` (q/k rows permuted), Qwen2-MoE as
-`qwen2moe` (q/k/v biases, shared expert `ffn_*_shexp` and its gate `ffn_gate_inp_shexp`); each
+`qwen2moe` (q/k/v biases, shared expert `ffn_*_shexp` and its gate `ffn_gate_inp_shexp`),
+Qwen3-MoE as `qwen3moe` (per-head `attn_q_norm` / `attn_k_norm`); each
 layer's experts stacked in `ffn_{gate,up,down}_exps`, the router in `ffn_gate_inp`.
 `convert gguf` of each matches transformers' logits of the HF model it was written from."""
 
@@ -29,7 +30,9 @@ _QWEN = {"mlp.gate": "ffn_gate_inp", "gate_proj": "ffn_gate_exps", "up_proj": "f
          "down_proj": "ffn_down_exps", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
          "mlp.shared_expert.up_proj": "ffn_up_shexp",
          "mlp.shared_expert.down_proj": "ffn_down_shexp",
-         "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+         "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -39,7 +42,7 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_moe_gguf(hf, path: Path) -> None:
-    """`hf` (a transformers Mixtral or Qwen2-MoE) as llama.cpp's converter writes it (F32),
+    """`hf` (a transformers Mixtral or Qwen2/3-MoE) as llama.cpp's converter writes it (F32),
     from the checkpoint save_pretrained writes (per-expert tensors, HF names)."""
     import gguf
     from safetensors.numpy import load_file
@@ -49,7 +52,7 @@ def write_moe_gguf(hf, path: Path) -> None:
 
     c = hf.config
     mixtral = c.model_type == "mixtral"
-    arch = "llama" if mixtral else "qwen2moe"
+    arch = _ARCH[c.model_type]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(512)
     w.add_embedding_length(c.hidden_size)
@@ -65,7 +68,8 @@ def write_moe_gguf(hf, path: Path) -> None:
     w.add_expert_used_count(c.num_experts_per_tok)
     if not mixtral:
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
-        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([chr(0x100 + i) for i in range(256)])
     w.add_token_types([gguf.TokenType.NORMAL] * 256)
@@ -102,7 +106,7 @@ def w_count(c) -> int:
     return c.num_local_experts if c.model_type == "mixtral" else c.num_experts
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe-shared"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe-shared", "qwen3-moe"])
 def test_moe_gguf_matches_transformers(name: str, tmp_path: Path) -> None:
     hf = hf_moe_model(MOE_VARIANTS[name])
     path = tmp_path / f"{name}.gguf"
@@ -111,9 +115,10 @@ def test_moe_gguf_matches_transformers(name: str, tmp_path: Path) -> None:
     model = load_model(tmp_path / "ours")
     c = model.config
     assert c.is_moe and c.num_experts == w_count(hf.config)
-    assert c.architecture == ("mixtral" if name == "mixtral" else "qwen2_moe")
-    assert c.norm_topk_prob == (name == "mixtral")
-    assert c.shared_expert_intermediate_size == (0 if name == "mixtral" else 80)
+    assert c.architecture == hf.config.model_type
+    assert c.norm_topk_prob == (name != "qwen2-moe-shared")
+    assert c.shared_expert_intermediate_size == (80 if name == "qwen2-moe-shared" else 0)
+    assert c.qk_norm == (name == "qwen3-moe")
     ids = np.random.default_rng(4).integers(0, 256, size=60).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
