@@ -7,8 +7,9 @@ experts, combine.  It stands in for the dense SwiGLU MLP of every decoder layer 
                                as a softmax over the top-k logits)                [T, k], ids [T, k]
              -> dispatch       the T*k (token, expert) pairs sorted by expert, stably: group g is
                                the run of pairs routed to expert g           [T*k, E], sizes [X]
-             -> experts        SwiGLU per group through jax.lax.ragged_dot, a grouped matmul over
-                               the sorted rows: no capacity, no per-expert padding, no token dropped
+             -> experts        SwiGLU per group over the sorted rows (kernels/grouped_swiglu.py:
+                               tiles of one expert each; jax.lax.ragged_dot is its reference): no
+                               capacity, no token dropped
              -> combine        each pair's output back at its token, times its gate, summed over
                                the token's k experts in slot order                [T, E]
              (+ Qwen2-MoE's shared expert: a dense SwiGLU of every token, times sigmoid(h @ gate))
@@ -20,10 +21,10 @@ like any other and their outputs never read.
 Expert parallelism (sharding/parallel_forward.py): the expert weights are stacked on the
 `experts` axis, [L, X, E, F], and a shard holds experts [first, first + X_local).  Every shard
 sees every token (the flat batch is replicated), routes all of them the same way, sorts the pairs
-routed elsewhere past its own groups (ragged_dot leaves rows past the groups' total at zero, and
-the combine masks them anyway) and returns the partial sum over its experts; ExpertShard.reduce
-adds the partials over the expert (and tensor) shards.  The shared expert is added by the shards
-of expert rank 0 only, so the sum counts it once.
+routed elsewhere past its own groups (the grouped SwiGLU leaves rows past the groups' total at
+zero, and the combine masks them anyway) and returns the partial sum over its experts;
+ExpertShard.reduce adds the partials over the expert (and tensor) shards.  The shared expert is
+added by the shards of expert rank 0 only, so the sum counts it once.
 
 Einsum letters: T tokens, k experts per token, E embed, X experts (X_local on a shard),
 F expert hidden (F / tp on a tensor shard), S shared-expert hidden.
@@ -37,6 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from xlaserve.kernels.grouped_swiglu import grouped_swiglu
 from xlaserve.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -102,24 +104,23 @@ def route(config: ModelConfig,
 def routed_experts(h: jax.Array,        # [T, E]
                    gates: jax.Array,    # [T, k] float32
                    experts: jax.Array,  # [T, k] int32 global expert ids
-                   w_gate: jax.Array,   # [X_local, E, F]
-                   w_up: jax.Array,     # [X_local, E, F]
-                   w_down: jax.Array,   # [X_local, F, E]
+                   w_gate: jax.Array,   # [L, X_local, E, F] every layer's (read at `layer`)
+                   w_up: jax.Array,     # [L, X_local, E, F]
+                   w_down: jax.Array,   # [L, X_local, F, E]
+                   layer: jax.Array | int,
                    first: jax.Array | int = 0,
                    ) -> jax.Array:      # [T, E]: the sum over this shard's experts
     """Sort the (token, expert) pairs by expert, run every local expert on its run of rows with
     one grouped matmul per weight, and put the gated outputs back at their tokens."""
     t, k = experts.shape
-    count = w_gate.shape[0]
+    count = w_gate.shape[1]
     local = experts.reshape(-1) - first                               # [T*k]
     mine = (local >= 0) & (local < count)
     group = jnp.where(mine, local, count)                             # others: a last group
     order = jnp.argsort(group, stable=True)                           # [T*k] pair of each row
     sizes = jnp.bincount(group, length=count + 1)[:count].astype(jnp.int32)   # [X_local]
     rows = h[order // k]                                              # [T*k, E]
-    gate = jax.lax.ragged_dot(rows, w_gate, sizes)                    # [T*k, F]
-    up = jax.lax.ragged_dot(rows, w_up, sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)   # [T*k, E]
+    out = grouped_swiglu(rows, w_gate, w_up, w_down, sizes, layer)    # [T*k, E]
     pairs = t * k
     slot = jnp.zeros((pairs,), jnp.int32).at[order].set(jnp.arange(pairs, dtype=jnp.int32))
     out = jnp.where(mine[:, None], out[slot], 0).reshape(t, k, -1)    # [T, k, E] pair order
@@ -141,8 +142,8 @@ def moe_mlp(config: ModelConfig, layers: Params, i: jax.Array, h: jax.Array,
             shard: ExpertShard = ONE_DEVICE) -> jax.Array:   # h [T, E] -> [T, E]
     """Layer `i`'s MoE MLP of the normed hidden states h, summed over the shards."""
     gates, experts = route(config, h, layers["router"][i])
-    y = routed_experts(h, gates, experts, layers["we_gate"][i], layers["we_up"][i],
-                       layers["we_down"][i], shard.first)
+    y = routed_experts(h, gates, experts, layers["we_gate"], layers["we_up"],
+                       layers["we_down"], i, shard.first)
     if config.shared_expert_intermediate_size:
         s = shared_expert(h, layers["ws_gate"][i], layers["ws_up"][i], layers["ws_down"][i],
                           layers["ws_router"][i])
