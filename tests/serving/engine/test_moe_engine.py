@@ -2,7 +2,10 @@
 requests (chunked prefills mixed with decode rows) compile nothing after warm-up, and each
 request's greedy tokens are the ones the model gives it run alone -- for a Mixtral-style and a
 Qwen2-MoE-style model (shared expert, q/k/v biases), and for a model whose router sends every
-token of every row to the same experts (the other groups empty)."""
+token of every row to the same experts (the other groups empty).  Each batch also holds a row
+whose prompt is one token repeated: attention over identical values returns that value, so all
+its positions have the same hidden state (up to rounding) in every layer and its tokens all pick
+the same experts, next to rows whose tokens spread over them."""
 
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ def test_moe_engine_matches_alone_and_compiles_nothing(model_dir, name: str,
     engine.runner.warmup()
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, 49152, n)) for n in (5, 21, 40, 9, 33, 2)]
+    prompts[4] = [977] * 33   # one row whose prompt tokens all route alike
     with CompileCounter() as compiles:
         for i, ids in enumerate(prompts[:3]):
             engine.add(request(f"r{i}", ids, max_tokens=12, ignore_eos=True))
