@@ -94,11 +94,12 @@ def test_ep_layout_matches_one_device_on_ragged_steps(moe_models, layout_name: s
             np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("layout_name", ["ep2", "ep4", "ep2xtp2"])
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
 def test_ep_step_collectives(moe_models, layout_name: str) -> None:
     """Per layer: one all-reduce of the MoE output over the expert (and tensor) ranks, plus the
-    attention's over tensor; no all-gather, all-to-all or reduce-scatter anywhere, so no expert
-    weight moves; each device's program holds only its own experts' weights."""
+    attention's over tensor; with pipeline stages one collective-permute per tick; no
+    all-gather, all-to-all or reduce-scatter anywhere, so no expert weight moves; each device's
+    program holds only its own experts' weights."""
     folder, _ = moe_models["qwen2-moe-shared"]
     config = load_config(folder)
     m = LAYOUTS[layout_name]
@@ -121,15 +122,18 @@ def test_ep_step_collectives(moe_models, layout_name: str) -> None:
     bodies = loop_bodies(hlo)
     per_layer = max(count(b, "all-reduce") for b in bodies)
     assert per_layer == (2 if m.tensor > 1 else 1), per_layer
+    permutes = max(count(b, "collective-permute") for b in bodies)
+    assert permutes == (1 if m.pipeline > 1 else 0), permutes
     # The MoE all-reduce spans expert x tensor ranks: groups of m.expert * m.tensor devices.
     group = m.expert * m.tensor
     groups = re.findall(r"all-reduce\(.*?replica_groups=(\S+)", "\n".join(bodies))
     sizes = {len(re.findall(r"\d+", g.split("}")[0])) for g in groups}
     print(layout_name, "all-reduce groups:", sorted(set(groups)))
     assert group in sizes, (groups, group)
-    local = (config.num_layers, config.num_experts // m.expert, config.hidden_size,
+    layers = config.num_layers // m.pipeline
+    local = (layers, config.num_experts // m.expert, config.hidden_size,
              config.moe_intermediate_size // m.tensor)
-    full = (config.num_layers, config.num_experts, config.hidden_size,
+    full = (layers, config.num_experts, config.hidden_size,
             config.moe_intermediate_size // m.tensor)
     assert re.search(rf"f32\[{','.join(map(str, local))}\]", hlo)
     assert not re.search(rf"f32\[{','.join(map(str, full))}\]", hlo)
