@@ -63,7 +63,8 @@ def test_layout_serves_the_one_device_tokens(tiny_folder, one_device, name: str)
     mesh = LAYOUTS[name]
     [engine] = build_engines(tiny_folder, config_for(mesh))
     runner = engine.runner
-    assert dict(runner.mesh.shape) == {"pipeline": mesh.pipeline, "tensor": mesh.tensor}
+    assert dict(runner.mesh.shape) == {"pipeline": mesh.pipeline, "expert": 1,
+                                       "tensor": mesh.tensor}
     assert runner.kv.k.sharding.is_equivalent_to(runner.layout.kv_sharding(runner.mesh), 5)
     assert len(runner.compiled_shapes) == len(ENGINE.bucket_plan.shapes()) == 9
     with CompileCounter() as compiles:

@@ -33,7 +33,7 @@ def test_replica_meshes_split_the_devices() -> None:
     meshes = make_replica_meshes(MeshConfig(tensor=2, replicas=4))
     ids = [[d.id for d in m.devices.flat] for m in meshes]
     assert ids == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert all(dict(m.shape) == {"pipeline": 1, "tensor": 2} for m in meshes)
+    assert all(dict(m.shape) == {"pipeline": 1, "expert": 1, "tensor": 2} for m in meshes)
     with pytest.raises(ValueError, match="3 replicas of pipeline=1 x tensor=4 need 12 devices, "
                                          "but only 8"):
         make_replica_meshes(MeshConfig(tensor=4, replicas=3))

@@ -171,8 +171,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     lay = bsub.add_parser("layouts", help="per-device parameter and KV bytes on mesh layouts")
     lay.add_argument("--model", required=True, help="model folder (only its config is read)")
     lay.add_argument("--meshes", default="configs/tp2.toml,configs/tp3.toml,configs/pp2.toml,"
-                     "configs/tp2_pp2.toml,configs/tp3_pp2.toml,configs/2x_tp2.toml",
-                     help="comma-separated mesh presets (one device is always listed first)")
+                     "configs/tp2_pp2.toml,configs/tp3_pp2.toml,configs/2x_tp2.toml,"
+                     "configs/ep2.toml,configs/ep4.toml,configs/ep2_tp2.toml,configs/ep2_pp2.toml",
+                     help="comma-separated mesh presets (one device is always listed first; "
+                     "the ep* presets fit mixture-of-experts models only)")
     lay.add_argument("--num-blocks", type=int, default=2048)
     lay.add_argument("--block-size", type=int, default=16)
     lay.set_defaults(fn=_layouts)

@@ -1,14 +1,20 @@
 """Read a llama.cpp GGUF file: model config, tokenizer metadata and dequantized tensors.
 
 Tensors come back under Hugging Face names and layouts; llama.cpp's q/k row permutation (which
-interleaves the two rotary halves of each head) is undone so that the HF "rotate half" RoPE
-applies.
+interleaves the two rotary halves of each head, `llama` architecture only) is undone so that the
+HF "rotate half" RoPE applies.
+
+Mixture-of-experts files: llama.cpp writes Mixtral as `llama` with `llama.expert_count`, and
+Qwen2-MoE / Qwen3-MoE as `qwen2moe` / `qwen3moe`.  Each layer's experts are one stacked tensor
+per matrix (`ffn_gate_exps`, `ffn_up_exps` [X, F, E], `ffn_down_exps` [X, E, F] as numpy
+shapes), the router `ffn_gate_inp` [X, E], Qwen2-MoE's shared expert `ffn_*_shexp` and its gate
+`ffn_gate_inp_shexp` [E]; expert j of a stacked tensor is served under its HF per-expert name.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +22,15 @@ import numpy as np
 
 from xlaserve.checkpoints.errors import CheckpointError
 from xlaserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+
+# llama.cpp architecture -> ours (a `llama` file with experts is Mixtral, see read_gguf).
+_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2moe": "qwen2_moe",
+                       "qwen3moe": "qwen3_moe"}
+# MoE tensors: llama.cpp kind -> our parameter name (its HF name from checkpoints/layout.py).
+_GGUF_MOE = {"ffn_gate_inp": "router", "ffn_gate_exps": "we_gate", "ffn_up_exps": "we_up",
+             "ffn_down_exps": "we_down", "ffn_gate_shexp": "ws_gate", "ffn_up_shexp": "ws_up",
+             "ffn_down_shexp": "ws_down", "ffn_gate_inp_shexp": "ws_router",
+             "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +64,32 @@ class GGUFModel:
     config: ModelConfig
     metadata: dict[str, Any]
     tensors: dict[str, Any]  # HF name -> gguf ReaderTensor
+    # HF per-expert name -> (stacked ReaderTensor, expert index)
+    experts: dict[str, tuple[Any, int]] = field(default_factory=dict)
+    permuted_qk: bool = True   # llama.cpp permuted q/k rows (its `llama` architecture)
+    _last: tuple[str, np.ndarray] | None = None   # the stacked tensor dequantized last
 
-    def get(self, hf_name: str) -> np.ndarray:
+    def _dequantize(self, t: Any) -> np.ndarray:
         import gguf
 
-        if hf_name not in self.tensors:
-            raise CheckpointError(f"{self.path}: tensor for {hf_name} is missing")
-        t = self.tensors[hf_name]
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError) as e:
             raise CheckpointError(f"{self.path}: cannot dequantize {t.name} "
                                   f"({t.tensor_type.name}): {e}") from e
-        w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+        return np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+
+    def get(self, hf_name: str) -> np.ndarray:
+        if hf_name in self.experts:   # experts are read in order: dequantize each stack once
+            t, j = self.experts[hf_name]
+            if self._last is None or self._last[0] != t.name:
+                self._last = (t.name, self._dequantize(t))
+            return self._last[1][j]
+        if hf_name not in self.tensors:
+            raise CheckpointError(f"{self.path}: tensor for {hf_name} is missing")
+        w = self._dequantize(self.tensors[hf_name])
+        if not self.permuted_qk:
+            return w
         if hf_name.endswith("q_proj.weight"):
             w = _unpermute(w, self.config.num_heads)
         elif hf_name.endswith("k_proj.weight"):
@@ -95,9 +123,9 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
                                   f"{t.data_offset + t.n_bytes}, file has {size}")
 
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if _GGUF_ARCHITECTURES.get(arch) not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"{path}: unsupported architecture {arch!r} "
-                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                              f"(supported: {', '.join(_GGUF_ARCHITECTURES)})")
     metadata = {k: _field(reader, k) for k in reader.fields
                 if not k.startswith("tokenizer.ggml.") and not k.startswith("GGUF.")}
 
@@ -153,20 +181,32 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
             tie_word_embeddings="output.weight" not in by_name,
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
-            architecture=arch,
             dtype=dtype,
+            **_moe_config(reader, arch, by_name),
         )
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from e
+    moe_names = {}
+    if config.is_moe:
+        from xlaserve.checkpoints.layout import layer_tensors
+
+        moe_names = {kind: layer_tensors(config)[ours] for kind, ours in _GGUF_MOE.items()
+                     if ours in layer_tensors(config)}
 
     tensors: dict[str, Any] = {}
+    experts: dict[str, tuple[Any, int]] = {}
     unmapped = []
     for t in reader.tensors:
         if t.name in _GGUF_TO_HF_TOP:
             tensors[_GGUF_TO_HF_TOP[t.name]] = t
         elif t.name.startswith("blk."):
             _, i, kind, suffix = t.name.split(".", 3)
-            if kind in _GGUF_TO_HF_LAYER:
+            if kind in moe_names and kind.endswith("_exps"):
+                for j in range(config.num_experts):
+                    experts[f"model.layers.{i}.{moe_names[kind].format(j=j)}"] = (t, j)
+            elif kind in moe_names:
+                tensors[f"model.layers.{i}.{moe_names[kind]}"] = t
+            elif kind in _GGUF_TO_HF_LAYER:
                 tensors[f"model.layers.{i}.{_GGUF_TO_HF_LAYER[kind]}.{suffix}"] = t
             else:
                 unmapped.append(t.name)
@@ -175,7 +215,32 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
     if unmapped:
         log.warning("%s: ignoring %d tensor(s) this converter does not use: %s", path,
                     len(unmapped), ", ".join(unmapped[:8]) + (" ..." if len(unmapped) > 8 else ""))
-    return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors)
+    return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors,
+                     experts=experts, permuted_qk=arch == "llama")
+
+
+def _moe_config(reader: Any, arch: str, by_name: dict[str, Any]) -> dict[str, Any]:
+    """The architecture and mixture-of-experts fields of ModelConfig from GGUF metadata."""
+    count = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    ours = "mixtral" if arch == "llama" and count else _GGUF_ARCHITECTURES[arch]
+    if not count:
+        if ours != arch:   # qwen2moe / qwen3moe without experts
+            raise ValueError(f"{arch}.expert_count is missing")
+        return {"architecture": ours}
+    used = int(_field(reader, f"{arch}.expert_used_count", 0) or 0)
+    ffn = _field(reader, f"{arch}.expert_feed_forward_length",
+                 _field(reader, f"{arch}.feed_forward_length"))
+    norm = _field(reader, f"{arch}.expert_weights_norm")
+    out = dict(architecture=ours, num_experts=count, num_experts_per_tok=used,
+               moe_intermediate_size=int(ffn),
+               norm_topk_prob=bool(norm) if norm is not None else ours != "qwen2_moe")
+    if ours == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=int(
+            _field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0),
+            attention_bias="blk.0.attn_q.bias" in by_name)
+    elif ours == "qwen3_moe":
+        out.update(qk_norm=True, attention_bias="blk.0.attn_q.bias" in by_name)
+    return out
 
 
 def gguf_tokenizer_fields(path: str | Path) -> dict[str, Any]:

@@ -6,6 +6,17 @@ Both converters reduce their input to Hugging Face Llama tensor names and layout
     q_proj [H*D, E]  -> wq [L, E, H, D]      o_proj    [E, H*D] -> wo     [L, H, D, E]
     k_proj [K*D, E]  -> wk [L, E, K, D]      gate/up   [F, E]   -> w_*    [L, E, F]
     v_proj [K*D, E]  -> wv [L, E, K, D]      down_proj [E, F]   -> w_down [L, F, E]
+
+A mixture-of-experts layer (models/moe.py) instead of gate/up/down, each expert j's matrices
+stacked on the experts axis (Mixtral's names; Qwen2/Qwen3-MoE's in brackets):
+
+    block_sparse_moe.gate [X, E]           (mlp.gate)                 -> router  [L, E, X]
+    ...experts.{j}.w1 [F, E]               (mlp.experts.{j}.gate_proj) -> we_gate [L, X, E, F]
+    ...experts.{j}.w3 [F, E]               (...up_proj)                -> we_up   [L, X, E, F]
+    ...experts.{j}.w2 [E, F]               (...down_proj)              -> we_down [L, X, F, E]
+    (mlp.shared_expert.{gate,up,down}_proj, shared_expert_gate [1, E]) -> ws_*, ws_router [L, E]
+    (self_attn.{q,k,v}_proj.bias [H*D | K*D]) -> bq [L, H, D], bk, bv [L, K, D]
+    (self_attn.{q,k}_norm [D])                -> q_norm, k_norm [L, D]
 """
 
 from __future__ import annotations
@@ -33,13 +44,35 @@ _LAYER_TENSORS = {
 }
 
 
-def hf_tensor_names(config: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(config.num_layers):
-        names += [f"model.layers.{i}.{suffix}" for suffix in _LAYER_TENSORS.values()]
-    return names
+_MIXTRAL_EXPERTS = {
+    "router": "block_sparse_moe.gate.weight",
+    "we_gate": "block_sparse_moe.experts.{j}.w1.weight",
+    "we_up": "block_sparse_moe.experts.{j}.w3.weight",
+    "we_down": "block_sparse_moe.experts.{j}.w2.weight",
+}
+_QWEN_EXPERTS = {
+    "router": "mlp.gate.weight",
+    "we_gate": "mlp.experts.{j}.gate_proj.weight",
+    "we_up": "mlp.experts.{j}.up_proj.weight",
+    "we_down": "mlp.experts.{j}.down_proj.weight",
+    "ws_gate": "mlp.shared_expert.gate_proj.weight",
+    "ws_up": "mlp.shared_expert.up_proj.weight",
+    "ws_down": "mlp.shared_expert.down_proj.weight",
+    "ws_router": "mlp.shared_expert_gate.weight",
+}
+_ATTENTION_EXTRAS = {
+    "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+}
+
+
+def layer_tensors(config: ModelConfig) -> dict[str, str]:
+    """Our layer parameter name -> its HF tensor name inside `model.layers.{i}.` ({j}: the
+    expert, for the stacked expert weights)."""
+    ours = param_shapes(config)["layers"]
+    table = {**_LAYER_TENSORS, **_ATTENTION_EXTRAS,
+             **(_MIXTRAL_EXPERTS if config.architecture == "mixtral" else _QWEN_EXPERTS)}
+    return {name: table[name] for name in ours}
 
 
 def _to_ours(name: str, w: np.ndarray, c: ModelConfig) -> np.ndarray:
@@ -50,8 +83,15 @@ def _to_ours(name: str, w: np.ndarray, c: ModelConfig) -> np.ndarray:
         return w.T.reshape(e, c.num_kv_heads, d)
     if name == "wo":
         return w.T.reshape(c.num_heads, d, e)
-    if name in ("w_gate", "w_up", "w_down"):
+    if name in ("w_gate", "w_up", "w_down", "router", "we_gate", "we_up", "we_down", "ws_gate",
+                "ws_up", "ws_down"):
         return w.T
+    if name == "ws_router":                        # [1, E]
+        return w.reshape(e)
+    if name == "bq":
+        return w.reshape(c.num_heads, d)
+    if name in ("bk", "bv"):
+        return w.reshape(c.num_kv_heads, d)
     return w
 
 
@@ -76,9 +116,14 @@ def params_from_hf(config: ModelConfig, get: GetTensor,
     if not config.tie_word_embeddings:
         params["lm_head"] = fetch("lm_head.weight", shapes["lm_head"][::-1], "lm_head").T
     for i in progress(range(config.num_layers)):
-        for ours, suffix in _LAYER_TENSORS.items():
-            params["layers"][ours][i] = fetch(f"model.layers.{i}.{suffix}",
-                                              shapes["layers"][ours][1:], ours)
+        for ours, suffix in layer_tensors(config).items():
+            shape = shapes["layers"][ours][1:]
+            if ours.startswith("we_"):             # one HF tensor per expert
+                for j in range(config.num_experts):
+                    params["layers"][ours][i, j] = fetch(
+                        f"model.layers.{i}.{suffix.format(j=j)}", shape[1:], ours)
+            else:
+                params["layers"][ours][i] = fetch(f"model.layers.{i}.{suffix}", shape, ours)
     return _cast(params, config.dtype) if dtype is None else params
 
 

@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+# The sparse mixture-of-experts families (models/moe.py): every decoder layer's MLP is a routed
+# set of experts.
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,14 @@ class ModelConfig:
     # None: every parameter in `dtype`; "int8": the layer matrices (and an untied lm_head)
     # weight-only int8 with per-output-channel scales (models/quantize.py).
     quantization: str | None = None
+    # Mixture of experts (models/moe.py); num_experts = 0 is the dense SwiGLU MLP.
+    num_experts: int = 0                     # experts per layer (HF num_local_experts)
+    num_experts_per_tok: int = 0             # top-k experts each token is routed to
+    moe_intermediate_size: int = 0           # each expert's SwiGLU hidden size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
+    norm_topk_prob: bool = False             # renormalise the top-k gates to sum to 1
+    attention_bias: bool = False             # q/k/v projections carry biases (Qwen2)
+    qk_norm: bool = False                    # per-head RMSNorm of q and k before RoPE (Qwen3)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +83,7 @@ class ModelConfig:
         if self.quantization not in (None, "int8"):
             raise ValueError(f"ModelConfig.quantization must be None or 'int8', got "
                              f"{self.quantization!r}")
+        self._check_moe()
         if self.rope_freq_factors is not None:
             factors = self.rope_freq_factors
             if len(factors) != self.head_dim // 2:
@@ -85,6 +97,33 @@ class ModelConfig:
                 raise ValueError("ModelConfig: rope_scaling and rope_freq_factors are both set; "
                                  "they are two forms of the same scaling, keep one")
 
+    def _check_moe(self) -> None:
+        moe = self.architecture in MOE_ARCHITECTURES
+        if not moe:
+            if self.num_experts:
+                raise ValueError(f"ModelConfig.num_experts={self.num_experts} on architecture "
+                                 f"{self.architecture!r}, which has a dense MLP")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int for a "
+                                 f"{self.architecture} model, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} is "
+                             f"more than num_experts={self.num_experts}")
+        shared = self.shared_expert_intermediate_size
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"ModelConfig.shared_expert_intermediate_size must be an int >= 0, "
+                             f"got {shared!r}")
+        if self.quantization is not None:
+            raise ValueError(f"ModelConfig.quantization={self.quantization!r}: int8 weights "
+                             f"are not supported for mixture-of-experts models yet")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     @property
     def group_size(self) -> int:
         """Query heads per KV head (GQA ratio)."""
@@ -94,7 +133,13 @@ class ModelConfig:
     def num_params(self) -> int:
         e, f, layers = self.hidden_size, self.intermediate_size, self.num_layers
         attn = e * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * e * f + 2 * e
+        if self.is_moe:   # router, experts, shared expert and its gate
+            mlp = e * self.num_experts + 3 * e * self.moe_intermediate_size * self.num_experts
+            if self.shared_expert_intermediate_size:
+                mlp += 3 * e * self.shared_expert_intermediate_size + e
+        else:
+            mlp = 3 * e * f
+        per_layer = attn + mlp + 2 * e
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
         return self.vocab_size * e + layers * per_layer + e + head
 
@@ -133,7 +178,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: str = "float32") -> "ModelConfig":
-        """From a Hugging Face `config.json` of a Llama or Mistral model."""
+        """From a Hugging Face `config.json` of a Llama, Mistral, Mixtral, Qwen2-MoE or
+        Qwen3-MoE model."""
         model_type = hf.get("model_type", "")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
@@ -144,7 +190,7 @@ class ModelConfig:
         scaling = _rope_scaling_from_hf(hf.get("rope_scaling") or hf.get("rope_parameters"))
         max_pos = hf.get("max_position_embeddings", 4096)
         # A window no shorter than the context never hides a position: plain causal attention.
-        window = hf.get("sliding_window") if model_type == "mistral" else None
+        window = hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None
         window = None if window is None or window >= max_pos else int(window)
         theta = hf.get("rope_theta")
         if theta is None and isinstance(hf.get("rope_parameters"), dict):
@@ -163,11 +209,40 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+            eos_token_ids=(tuple(eos) if isinstance(eos, list) else ()
+                           if eos is None else (eos,)),
             architecture=model_type,
             dtype=dtype,
             sliding_window=window,
+            **_moe_from_hf(hf),
         )
+
+
+def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a HF config.json (none for a dense model)."""
+    kind = hf["model_type"]
+    if kind not in MOE_ARCHITECTURES:
+        return {}
+    if kind == "mixtral":
+        return dict(num_experts=hf["num_local_experts"],
+                    num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise ValueError(f"{kind}: decoder_sparse_step={step}, mlp_only_layers={dense}: "
+                         f"models with dense layers among the MoE layers are not supported")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{kind}: use_sliding_window=true is not supported")
+    out = dict(num_experts=hf.get("num_experts") or hf["num_local_experts"],
+               num_experts_per_tok=hf["num_experts_per_tok"],
+               moe_intermediate_size=hf["moe_intermediate_size"],
+               norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    if kind == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0),
+                   attention_bias=bool(hf.get("qkv_bias", True)))
+    else:
+        out.update(attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True)
+    return out
 
 
 def _rope_scaling_from_hf(rs: dict[str, Any] | None) -> RopeScaling | None:

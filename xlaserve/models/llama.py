@@ -15,6 +15,10 @@ reads its layer of the stacked weight in place (kernels/matmul.py), so compile t
 grow with depth and no layer slice is copied.  The KV cache goes in as an argument and comes out
 as a return value.
 
+A mixture-of-experts model (Mixtral, Qwen2/Qwen3-MoE: ModelConfig.num_experts > 0) replaces
+the SwiGLU by models/moe.py's routed experts; Qwen2's q/k/v biases and Qwen3's per-head q/k
+norms are optional parameters of the attention.
+
 Einsum letters: T tokens, R rows, E embed, H query heads, K kv heads, D head dim, F mlp hidden,
 V vocab.
 """
@@ -39,6 +43,7 @@ from xlaserve.kernels.matmul import (
 )
 from xlaserve.kernels.quantized import QuantizedWeight, as_operand, is_quantized, quantize_int8
 from xlaserve.models.config import ModelConfig
+from xlaserve.models.moe import ONE_DEVICE, ExpertShard, moe_mlp, moe_param_axes, moe_param_shapes
 from xlaserve.models.quantize import quantize_params, quantized_axes, quantized_shapes
 from xlaserve.models.rope import apply_rope, inverse_frequencies
 
@@ -95,21 +100,25 @@ def decode_metadata(block_tables: np.ndarray, positions: np.ndarray,
 
 # Logical axis names of every parameter (see sharding/rules.py).
 def param_axes(config: ModelConfig) -> Params:
-    axes: Params = {
-        "embed": ("vocab", "embed"),
-        "layers": {
-            "attn_norm": ("layers", "embed"),
-            "wq": ("layers", "embed", "heads", "head_dim"),
-            "wk": ("layers", "embed", "kv_heads", "head_dim"),
-            "wv": ("layers", "embed", "kv_heads", "head_dim"),
-            "wo": ("layers", "heads", "head_dim", "embed"),
-            "mlp_norm": ("layers", "embed"),
-            "w_gate": ("layers", "embed", "mlp"),
-            "w_up": ("layers", "embed", "mlp"),
-            "w_down": ("layers", "mlp", "embed"),
-        },
-        "final_norm": ("embed",),
+    layers: Params = {
+        "attn_norm": ("layers", "embed"),
+        "wq": ("layers", "embed", "heads", "head_dim"),
+        "wk": ("layers", "embed", "kv_heads", "head_dim"),
+        "wv": ("layers", "embed", "kv_heads", "head_dim"),
+        "wo": ("layers", "heads", "head_dim", "embed"),
+        "mlp_norm": ("layers", "embed"),
     }
+    if config.attention_bias:
+        layers.update(bq=("layers", "heads", "head_dim"), bk=("layers", "kv_heads", "head_dim"),
+                      bv=("layers", "kv_heads", "head_dim"))
+    if config.qk_norm:
+        layers.update(q_norm=("layers", "head_dim"), k_norm=("layers", "head_dim"))
+    if config.is_moe:
+        layers.update(moe_param_axes(config))
+    else:
+        layers.update(w_gate=("layers", "embed", "mlp"), w_up=("layers", "embed", "mlp"),
+                      w_down=("layers", "mlp", "embed"))
+    axes: Params = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("embed",)}
     if not config.tie_word_embeddings:
         axes["lm_head"] = ("embed", "vocab")
     return quantized_axes(axes) if config.quantization else axes
@@ -122,15 +131,17 @@ def param_shapes(config: ModelConfig) -> Params:
     c = config
     L, E, H, K, D, F, V = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                            c.intermediate_size, c.vocab_size)
-    shapes: Params = {
-        "embed": (V, E),
-        "layers": {
-            "attn_norm": (L, E), "wq": (L, E, H, D), "wk": (L, E, K, D), "wv": (L, E, K, D),
-            "wo": (L, H, D, E), "mlp_norm": (L, E),
-            "w_gate": (L, E, F), "w_up": (L, E, F), "w_down": (L, F, E),
-        },
-        "final_norm": (E,),
-    }
+    layers: Params = {"attn_norm": (L, E), "wq": (L, E, H, D), "wk": (L, E, K, D),
+                      "wv": (L, E, K, D), "wo": (L, H, D, E), "mlp_norm": (L, E)}
+    if c.attention_bias:
+        layers.update(bq=(L, H, D), bk=(L, K, D), bv=(L, K, D))
+    if c.qk_norm:
+        layers.update(q_norm=(L, D), k_norm=(L, D))
+    if c.is_moe:
+        layers.update(moe_param_shapes(c))
+    else:
+        layers.update(w_gate=(L, E, F), w_up=(L, E, F), w_down=(L, F, E))
+    shapes: Params = {"embed": (V, E), "layers": layers, "final_norm": (E,)}
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (E, V)
     return quantized_shapes(shapes) if c.quantization else shapes
@@ -196,8 +207,8 @@ def pack_params(params: Params) -> Params:
     One device only: the panels are not laid out for a mesh."""
     layers = dict(params["layers"])
     quantized = is_quantized(layers["wq"])
-    for name, inner in _MATRIX_OF.items():
-        if not isinstance(layers[name], PackedWeight):
+    for name, inner in _MATRIX_OF.items():   # a MoE model's experts stay unpacked (moe.py)
+        if name in layers and not isinstance(layers[name], PackedWeight):
             layers[name] = pack_weight(_as_matrix(layers[name], inner))
     out = {**params, "layers": layers}
     if "head" not in params:
@@ -227,6 +238,7 @@ def decoder_layers(
     attention_backend: str = "auto",
     attend: Callable[..., jax.Array] = attention,
     reduce: Callable[[jax.Array], jax.Array] | None = None,
+    experts: ExpertShard = ONE_DEVICE,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:   # x [T, E], k_flat, v_flat
     """Every layer of `layers` in order, pre-norm: x += attn(norm(x)); x += mlp(norm(x)).
 
@@ -235,8 +247,9 @@ def decoder_layers(
     parallelism (sharding/parallel_forward.py) `layers` holds one shard's heads and mlp slice,
     so the outputs of `wo` and `w_down` are partial sums that `reduce` adds up over the shards
     (None, one device: the residual adds go into those matmuls), and `attend` may stand in for
-    `attention` with the same signature.  KV writes to slots
-    outside the cache are dropped (pipeline bubbles rely on it)."""
+    `attention` with the same signature.  A MoE model's MLP is models/moe.py's, over the experts
+    `experts` names (all of them on one device), its partial sums added by `experts.reduce`.
+    KV writes to slots outside the cache are dropped (pipeline bubbles rely on it)."""
     c = config
     t = x.shape[0]
     kvh, d = k_flat.shape[1], c.head_dim   # an int8 cache's rows are d + 4 bytes wide
@@ -245,7 +258,8 @@ def decoder_layers(
     inv_freq = jnp.asarray(inverse_frequencies(c))
     wq, wk, wv = (_as_matrix(layers[n], 2) for n in ("wq", "wk", "wv"))  # [L, E, heads*D]
     wo = _as_matrix(layers["wo"], 1)                                      # [L, H*D, E]
-    w_gate, w_up, w_down = (_as_matrix(layers[n], 2) for n in ("w_gate", "w_up", "w_down"))
+    if not c.is_moe:
+        w_gate, w_up, w_down = (_as_matrix(layers[n], 2) for n in ("w_gate", "w_up", "w_down"))
     heads = wq.shape[-1] // d
     per_layer = geometry.num_blocks * geometry.block_size
 
@@ -254,8 +268,14 @@ def decoder_layers(
         x, k_flat, v_flat = carry
         h = rms_norm(x, layers["attn_norm"][i], c.rms_norm_eps)
         q, k, v = layer_matmul(h, (wq, wk, wv), i, use_kernel=use_kernel)
-        q = apply_rope(q.reshape(t, heads, d), positions, inv_freq)       # [T, H, D]
-        k = apply_rope(k.reshape(t, kvh, d), positions, inv_freq)         # [T, K, D]
+        if c.attention_bias:   # Qwen2: [H or K, D] per layer, this shard's heads
+            q, k, v = (a + layers[b][i].reshape(-1) for a, b in zip((q, k, v), ("bq", "bk", "bv")))
+        q, k = q.reshape(t, heads, d), k.reshape(t, kvh, d)
+        if c.qk_norm:          # Qwen3: RMSNorm over each head's D before RoPE
+            q = rms_norm(q, layers["q_norm"][i], c.rms_norm_eps)
+            k = rms_norm(k, layers["k_norm"][i], c.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq)                            # [T, H, D]
+        k = apply_rope(k, positions, inv_freq)                            # [T, K, D]
         dest = i * per_layer + meta.slot_mapping                          # [T]
         k_flat = k_flat.at[dest].set(to_cache_rows(k, k_flat.dtype), mode="drop")
         v_flat = v_flat.at[dest].set(to_cache_rows(v.reshape(t, kvh, d), v_flat.dtype),
@@ -271,6 +291,8 @@ def decoder_layers(
             (o,) = layer_matmul(attn.reshape(t, heads * d), (wo,), i, use_kernel=use_kernel)
             x = x + reduce(o)
         h = rms_norm(x, layers["mlp_norm"][i], c.rms_norm_eps)
+        if c.is_moe:
+            return (x + moe_mlp(c, layers, i, h, experts), k_flat, v_flat), None
         gate, up = layer_matmul(h, (w_gate, w_up), i, use_kernel=use_kernel)
         if reduce is None:
             x = gated_matmul(gate, up, w_down, i, use_kernel=use_kernel, residual=x)

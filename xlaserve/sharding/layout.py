@@ -1,6 +1,6 @@
 """One model on one mesh: which slice of every parameter and of the KV cache each device holds.
 
-    ShardLayout.create(model, MeshConfig(pipeline=2, tensor=2))
+    ShardLayout.create(model, MeshConfig(pipeline=2, tensor=2))   (or expert=2 for a MoE model)
       .rules              logical axis -> mesh axis, specialised to the model (rules.model_rules)
       .param_specs()      PartitionSpec per parameter (same pytree as models.llama.param_axes)
       .kv_spec()          PartitionSpec of each KV array [layers, blocks, block_size, K, D]
@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import KV_AXES, KVCache, Params, kv_shape, param_axes, param_shapes
 from xlaserve.models.quantize import leaf_dtype
-from xlaserve.sharding.mesh import MESH_AXES, MeshConfig
+from xlaserve.sharding.mesh import EXPERT_AXIS, MESH_AXES, MeshConfig
 from xlaserve.sharding.rules import model_rules, partition_spec
 
 
@@ -34,13 +34,15 @@ def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple)
 
 
-def _require_model_axes(mesh: Mesh) -> None:
-    """The specs name both mesh axes, so a mesh must have both, even at size one."""
-    missing = [a for a in MESH_AXES if a not in mesh.axis_names]
+def _require_model_axes(mesh: Mesh, model: ModelConfig) -> None:
+    """The specs name both mesh axes (and a MoE model's the expert axis), so a mesh must have
+    them, even at size one."""
+    needed = MESH_AXES + ((EXPERT_AXIS,) if model.is_moe else ())
+    missing = [a for a in needed if a not in mesh.axis_names]
     if missing:
         raise ValueError(f"mesh with axes {tuple(mesh.axis_names)} lacks the axis "
                          f"{' and '.join(repr(a) for a in missing)}: a model mesh needs the axes "
-                         f"{MESH_AXES} (size 1 where unused; build it with sharding.mesh.make_mesh)")
+                         f"{needed} (size 1 where unused; build it with sharding.mesh.make_mesh)")
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,10 @@ class ShardLayout:
     def create(cls, model: ModelConfig, mesh: MeshConfig | Mesh) -> ShardLayout:
         """Validate the model against the mesh (ValueError with the numbers) and derive rules."""
         if isinstance(mesh, Mesh):
-            _require_model_axes(mesh)
+            _require_model_axes(mesh, model)
         mesh_config = MeshConfig.of(mesh) if isinstance(mesh, Mesh) else mesh
-        mesh_config = MeshConfig(pipeline=mesh_config.pipeline, tensor=mesh_config.tensor)
+        mesh_config = MeshConfig(pipeline=mesh_config.pipeline, tensor=mesh_config.tensor,
+                                 expert=mesh_config.expert)
         return cls(model, mesh_config, model_rules(model, mesh_config))
 
     # -- what each shard holds -------------------------------------------------------------------
@@ -83,6 +86,14 @@ class ShardLayout:
         return v // self.mesh.tensor if self.vocab_split else v
 
     @property
+    def experts_split(self) -> bool:
+        return self.model.is_moe and self.mesh.expert > 1
+
+    @property
+    def experts_per_shard(self) -> int:
+        return self.model.num_experts // self.mesh.expert
+
+    @property
     def layers_per_stage(self) -> int:
         return self.model.num_layers // self.mesh.pipeline
 
@@ -98,10 +109,10 @@ class ShardLayout:
         return self.spec(KV_AXES)
 
     def _check(self, mesh: Mesh) -> None:
-        _require_model_axes(mesh)
+        _require_model_axes(mesh, self.model)
         if MeshConfig.of(mesh) != self.mesh:
-            raise ValueError(f"layout is for pipeline={self.mesh.pipeline} x "
-                             f"tensor={self.mesh.tensor}, but the mesh is {dict(mesh.shape)}")
+            raise ValueError(f"layout is for {self.mesh.describe()}, but the mesh is "
+                             f"{dict(mesh.shape)}")
 
     def param_shardings(self, mesh: Mesh) -> Params:
         self._check(mesh)

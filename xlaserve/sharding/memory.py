@@ -56,7 +56,8 @@ def shard_shape(shape: tuple[int, ...], spec: PartitionSpec,
 def device_bytes(layout: ShardLayout, num_blocks: int, block_size: int,
                  kv_dtype: str | None = None) -> DeviceBytes:
     c = layout.model
-    sizes = {"pipeline": layout.mesh.pipeline, "tensor": layout.mesh.tensor}
+    sizes = {"pipeline": layout.mesh.pipeline, "tensor": layout.mesh.tensor,
+             "expert": layout.mesh.expert}
     leaves = jax.tree_util.tree_leaves_with_path(param_shapes(c),
                                                  is_leaf=lambda x: isinstance(x, tuple))
     items = [jnp.dtype(leaf_dtype(path, c.dtype)).itemsize for path, _ in leaves]
@@ -86,7 +87,8 @@ def layout_report(model: ModelConfig, meshes: Sequence[MeshConfig], num_blocks: 
 
 
 def mesh_name(mesh: MeshConfig) -> str:
-    parts = [f"tp{mesh.tensor}"] if mesh.tensor > 1 else []
+    parts = [f"ep{mesh.expert}"] if mesh.expert > 1 else []
+    parts += [f"tp{mesh.tensor}"] if mesh.tensor > 1 else []
     parts += [f"pp{mesh.pipeline}"] if mesh.pipeline > 1 else []
     name = "x".join(parts) or "1 device"
     return f"{mesh.replicas} x {name}" if mesh.replicas > 1 else name

@@ -1,4 +1,5 @@
-"""Device meshes: `pipeline x tensor` from a small config, and `replicas` such meshes side by side.
+"""Device meshes: `pipeline x expert x tensor` from a small config, and `replicas` such meshes
+side by side (`expert` only splits a mixture-of-experts model's experts; size 1 otherwise).
 
     jax.devices() = [d0 d1 d2 d3 d4 d5 d6 d7],  MeshConfig(pipeline=2, tensor=2, replicas=2)
 
@@ -22,17 +23,20 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+# The axes every model mesh has (size 1 where unused); a MoE model's also needs EXPERT_AXIS.
 MESH_AXES = ("pipeline", "tensor")
+EXPERT_AXIS = "expert"
 
 
 @dataclass(frozen=True)
 class MeshConfig:
     pipeline: int = 1   # stages: contiguous slices of layers, activations passed stage to stage
     tensor: int = 1     # Megatron tensor parallelism: heads, mlp hidden and vocab split
-    replicas: int = 1   # independent copies of the `pipeline x tensor` mesh
+    replicas: int = 1   # independent copies of the `pipeline x expert x tensor` mesh
+    expert: int = 1     # expert parallelism: a MoE model's experts split (attention replicated)
 
     def __post_init__(self) -> None:
-        for name in ("pipeline", "tensor", "replicas"):
+        for name in ("pipeline", "tensor", "replicas", "expert"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MeshConfig.{name} must be an int >= 1, got {value!r}")
@@ -40,7 +44,7 @@ class MeshConfig:
     @property
     def size(self) -> int:
         """Devices in one replica's mesh."""
-        return self.pipeline * self.tensor
+        return self.pipeline * self.expert * self.tensor
 
     @property
     def total_devices(self) -> int:
@@ -48,10 +52,10 @@ class MeshConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "MeshConfig":
-        unknown = set(d) - {"pipeline", "tensor", "replicas"}
+        unknown = set(d) - {"pipeline", "tensor", "replicas", "expert"}
         if unknown:
             raise ValueError(f"unknown [mesh] keys {sorted(unknown)}; "
-                             f"known: pipeline, tensor, replicas")
+                             f"known: pipeline, tensor, expert, replicas")
         return cls(**d)
 
     @classmethod
@@ -76,21 +80,28 @@ class MeshConfig:
     def of(cls, mesh: Mesh) -> "MeshConfig":
         """The config of one replica's mesh (axes missing from `mesh` count as size one)."""
         shape = dict(mesh.shape)
-        return cls(pipeline=int(shape.get("pipeline", 1)), tensor=int(shape.get("tensor", 1)))
+        return cls(pipeline=int(shape.get("pipeline", 1)), tensor=int(shape.get("tensor", 1)),
+                   expert=int(shape.get(EXPERT_AXIS, 1)))
+
+    def describe(self) -> str:
+        """`pipeline=P x tensor=T`, with `x expert=X` where experts are split."""
+        ep = f" x expert={self.expert}" if self.expert > 1 else ""
+        return f"pipeline={self.pipeline}{ep} x tensor={self.tensor}"
 
 
 def make_mesh(config: MeshConfig = MeshConfig(),
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `pipeline x tensor` mesh over the first `config.size` devices (or `devices`).
+    """A `pipeline x expert x tensor` mesh over the first `config.size` devices (or
+    `devices`), tensor innermost (neighbouring devices share a layer's matmuls).
 
     Axes are `AxisType.Auto`, so code outside our shard_map (the sampler, the runner's glue)
     lets the compiler propagate shardings; the model step itself is placed by hand."""
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < config.size:
-        raise ValueError(f"mesh pipeline={config.pipeline} x tensor={config.tensor} needs "
+        raise ValueError(f"mesh {config.describe()} needs "
                          f"{config.size} devices, but only {len(devices)} are available")
-    grid = np.array(devices[: config.size]).reshape(config.pipeline, config.tensor)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+    grid = np.array(devices[: config.size]).reshape(config.pipeline, config.expert, config.tensor)
+    return Mesh(grid, ("pipeline", EXPERT_AXIS, "tensor"), axis_types=(AxisType.Auto,) * 3)
 
 
 def make_replica_meshes(config: MeshConfig,
@@ -99,7 +110,7 @@ def make_replica_meshes(config: MeshConfig,
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < config.total_devices:
         raise ValueError(
-            f"{config.replicas} replicas of pipeline={config.pipeline} x tensor={config.tensor} "
+            f"{config.replicas} replicas of {config.describe()} "
             f"need {config.total_devices} devices, but only {len(devices)} are available")
     size = config.size
     return [make_mesh(config, devices[r * size:(r + 1) * size]) for r in range(config.replicas)]

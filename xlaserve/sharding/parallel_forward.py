@@ -1,6 +1,7 @@
-"""The Llama forward on any `pipeline x tensor` mesh, with models.llama.forward's signature.
+"""The Llama forward on any `pipeline x expert x tensor` mesh, with models.llama.forward's
+signature.
 
-Every device runs one program under `shard_map` over both mesh axes, on its own slices:
+Every device runs one program under `shard_map` over every mesh axis, on its own slices:
 
     tokens [T] (replicated; the runner's flat batch, see models/llama.py)
       -> embed       vocab rows split over `tensor`: local lookup, psum(tensor)    -> x [T, E]
@@ -9,7 +10,9 @@ Every device runs one program under `shard_map` over both mesh axes, on its own 
                        stage s works on microbatch tick - s (a bubble when out of range):
                        stage 0 reads the embedding, stage s > 0 what stage s-1 sent last tick;
                        runs its L/P layers (models.llama.decoder_layers, Megatron TP inside:
-                       local heads / mlp slice, psum(tensor) after wo and after w_down);
+                       local heads / mlp slice, psum(tensor) after wo and after w_down;
+                       a MoE layer runs its shard's experts on every token, psum(expert,
+                       tensor) after them: see "Expert parallelism" below);
                        collective-permute(pipeline) the result to stage s + 1 (stage 0
                        receives nothing: it reads the next microbatch's embedding).
                      The last stage keeps each row's logits token (or every token) from the
@@ -30,6 +33,17 @@ between stages) and lets stages overlap on different microbatches inside the dev
 host-driven variant pays a dispatch and a device-to-device copy per stage per microbatch from
 Python.  The price is the bubble: with M microbatches each stage runs M + P - 1 ticks for M
 ticks of work, so the step costs (M + P - 1)/M stage-times instead of P (M = P by default).
+
+Expert parallelism (a MoE model, mesh `expert` > 1): the stacked experts [L, X, E, F] are split
+over `expert` (and F over `tensor`); attention, norms, router and the KV cache are replicated
+over `expert` (the expert ranks of one tensor shard compute the same attention).  Dispatch is the
+"all-gather + local experts + reduce" form with the all-gather free: the flat batch is already
+replicated on every device, so each shard routes every token, runs the pairs routed to its own
+experts (models/moe.py, dropless grouped matmuls) and one psum over (expert, tensor) per layer
+combines the partial outputs, the dense MLP's psum(tensor) widened to the expert ranks.  An
+all-to-all would first need the tokens split over `expert` (data parallel attention), which this
+layout does not have; at serving batch sizes the psum of a [T, E] activation is small next to
+the expert weights, which never move.
 """
 
 from __future__ import annotations
@@ -55,6 +69,7 @@ from xlaserve.models.llama import (
     final_logits,
     forward,
 )
+from xlaserve.models.moe import ONE_DEVICE, ExpertShard
 from xlaserve.sharding.layout import ShardLayout
 
 Forward = Callable[..., tuple[jax.Array, KVCache]]
@@ -147,6 +162,8 @@ def _device_step(layout: ShardLayout, m: int, all_tokens: bool, attention_backen
     def reduce(y: jax.Array) -> jax.Array:
         return lax.psum(y, "tensor") if tp > 1 else y
 
+    experts = _expert_shard(layout) if c.is_moe else ONE_DEVICE
+
     attend = attention
     if tp > 1 and not layout.kv_heads_split:
         attend = functools.partial(_attend_with_replicated_kv, c.num_heads)
@@ -156,7 +173,7 @@ def _device_step(layout: ShardLayout, m: int, all_tokens: bool, attention_backen
         """This stage's layers over one microbatch; x [t, E], k_flat [L/P*N*bs, K, D]."""
         return decoder_layers(c, params["layers"], x, k_flat, v_flat, positions, meta,
                               geometry, attention_backend=attention_backend, attend=attend,
-                              reduce=reduce)
+                              reduce=reduce, experts=experts)
 
     x = _embed(params["embed"], tokens, layout.vocab_split)             # [T, E]
     k_flat = k_cache.reshape(-1, kvh, d)                                # [L/P*N*bs, K, D]
@@ -170,6 +187,21 @@ def _device_step(layout: ShardLayout, m: int, all_tokens: bool, attention_backen
 
     logits = final_logits(params, c, hidden, attention_backend)        # [R or T, V/tp]
     return logits, k_flat.reshape(cache_shape), v_flat.reshape(cache_shape)
+
+
+def _expert_shard(layout: ShardLayout) -> ExpertShard:
+    """This device's experts and the sum of MoE partial outputs over expert and tensor shards
+    (expert rank 0 adds the shared expert, which every rank holds)."""
+    axes = tuple(a for a, n in (("expert", layout.mesh.expert), ("tensor", layout.mesh.tensor))
+                 if n > 1)
+
+    def reduce(y: jax.Array) -> jax.Array:
+        return lax.psum(y, axes)
+
+    if not layout.experts_split:
+        return ExpertShard(0, True, reduce if axes else None)
+    rank = lax.axis_index("expert")
+    return ExpertShard(rank * layout.experts_per_shard, rank == 0, reduce)
 
 
 def _embed(table: jax.Array,   # [V/tp, E] this shard's vocabulary rows

@@ -16,9 +16,12 @@ from xlaserve.sharding.mesh import MeshConfig
 
 # Logical axis -> mesh axis (None = replicated).  Megatron-style tensor parallelism: attention
 # heads, KV heads, the MLP hidden dimension and the vocabulary are split over `tensor`; the
-# stacked layer axis is split over `pipeline` (one contiguous slice of layers per stage).
+# stacked layer axis is split over `pipeline` (one contiguous slice of layers per stage); a
+# mixture-of-experts model's stacked experts over `expert` (each expert's hidden dimension is
+# `mlp`, so tensor parallelism composes inside the experts).
 DEFAULT_RULES: Mapping[str, str | None] = {
     "layers": "pipeline",
+    "experts": "expert",
     "embed": None,
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -42,18 +45,26 @@ def model_rules(model: ModelConfig, mesh: MeshConfig) -> dict[str, str | None]:
     (fewer KV heads than shards, e.g. 8 query / 2 KV heads at tensor=4) every shard keeps all
     KV heads and computes them redundantly.  A vocabulary that `tensor` does not divide is
     replicated."""
-    tp, pp = mesh.tensor, mesh.pipeline
+    tp, pp, ep = mesh.tensor, mesh.pipeline, mesh.expert
     problems = []
     if model.num_heads % tp:
         problems.append(f"tensor={tp} does not divide num_heads={model.num_heads}")
-    if model.intermediate_size % tp:
-        problems.append(f"tensor={tp} does not divide intermediate_size="
-                        f"{model.intermediate_size}")
+    hidden = {"moe_intermediate_size": model.moe_intermediate_size,
+              "shared_expert_intermediate_size": model.shared_expert_intermediate_size} \
+        if model.is_moe else {"intermediate_size": model.intermediate_size}
+    for name, size in hidden.items():
+        if size % tp:
+            problems.append(f"tensor={tp} does not divide {name}={size}")
     if model.num_layers % pp:
         problems.append(f"pipeline={pp} does not divide num_layers={model.num_layers}")
+    if ep > 1 and not model.is_moe:
+        problems.append(f"expert={ep} needs a mixture-of-experts model, and "
+                        f"{model.architecture!r} has a dense MLP")
+    elif model.is_moe and model.num_experts % ep:
+        problems.append(f"expert={ep} does not divide num_experts={model.num_experts}")
     if problems:
-        raise ValueError("cannot shard the model over mesh pipeline={} x tensor={}: {}".format(
-            pp, tp, "; ".join(problems)))
+        raise ValueError("cannot shard the model over mesh {}: {}".format(
+            mesh.describe(), "; ".join(problems)))
     rules = dict(DEFAULT_RULES)
     if model.num_kv_heads % tp:
         rules["kv_heads"] = None
