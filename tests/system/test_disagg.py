@@ -35,6 +35,7 @@ from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV
 pytestmark = pytest.mark.slow
 TOKEN = "disagg-test-token-0123456789abcdef"
 LENGTHS = (17, 40, 64, 95, 128, 161, 230, 300)
+KV_BYTES = 30 * 3 * 64 * 4   # one token's K (or V) in SmolLM2's float32 cache: L x K x D x 4
 
 
 class Worker:
@@ -143,6 +144,9 @@ def test_split_tokens_equal_the_unified_engine(split, prompts, tokenizer):
     for p, tokens in zip(prompts, got):
         assert tokens == detok(tokenizer, split.decode.generate(p, 12)), len(p)
     assert wait_for(split.idle, 10)
+    # the front end's /metrics: one transfer per request, bytes = the blocks' K and V
+    assert split.front.metric("xlaserve_kv_transfer_seconds_count") == len(prompts)
+    assert split.front.metric("xlaserve_kv_transfer_bytes_total") == 2 * came * KV_BYTES
 
 
 def test_32_requests_at_once_equal_the_unified_engine(split, prompts, tokenizer):

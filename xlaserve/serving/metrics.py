@@ -194,6 +194,11 @@ class Metrics:
                                        "Requests admitted to the engines", [MODEL], registry=r)
         self.admission_waiting = Gauge("xlaserve_admission_waiting",
                                        "Requests in the admission queue", [MODEL], registry=r)
+        self.kv_transfer_seconds = Histogram(
+            "xlaserve_kv_transfer_seconds", "Prefill/decode split: fetching one request's "
+            "prompt KV from its prefill worker", [MODEL], buckets=_LATENCY, registry=r)
+        self.kv_transfer_bytes = Counter("xlaserve_kv_transfer_bytes", "Prefill/decode "
+                                         "split: prompt KV bytes fetched", [MODEL], registry=r)
         r.register(_EngineCollector(engine_sources))
 
     def observe_choice(self, model: str, t: ChoiceTimes) -> None:

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from xlaserve.serving.engine_api import EngineStats, ServiceCosts
 from xlaserve.serving.grpc.client import RemoteEngine
-from xlaserve.serving.types import EngineEvent, GenerationRequest, KVHandoff, Usage
+from xlaserve.serving.types import EngineEvent, GenerationRequest, Usage
 
 
 class DisaggregatedEngine:
@@ -40,7 +40,6 @@ class DisaggregatedEngine:
         self.decode = list(decode)
         self.model_name = model_name
         self.tokenizer = self.decode[0].tokenizer
-        self.handoffs: list[KVHandoff] = []   # what each request's KV fetch moved (metrics)
         self._where: dict[str, list[RemoteEngine]] = {}   # request id -> workers it is on
 
     @property
@@ -149,8 +148,6 @@ class DisaggregatedEngine:
         part = dataclasses.replace(request, output_token_ids=first.token_ids)
         cached = first.usage.cached_tokens if first.usage is not None else 0
         async for ev in worker.submit(part, kv_source=source.target):
-            if ev.kv_handoff is not None:
-                self.handoffs.append(ev.kv_handoff)
             if ev.usage is not None:
                 ev = dataclasses.replace(ev, usage=dataclasses.replace(ev.usage,
                                                                        cached_tokens=cached))

@@ -281,6 +281,11 @@ class Generation:
                 c.last_at = now
                 c.token_ids.extend(ev.token_ids)
             c.text += ev.text
+            if ev.kv_handoff is not None:   # a split request's decode part began
+                self.state.metrics.kv_transfer_seconds.labels(self.group.id).observe(
+                    ev.kv_handoff.seconds)
+                self.state.metrics.kv_transfer_bytes.labels(self.group.id).inc(
+                    ev.kv_handoff.nbytes)
             if ev.finished:
                 c.finish_reason, c.usage, c.error = ev.finish_reason, ev.usage, ev.error
                 pending -= 1
