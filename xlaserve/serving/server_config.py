@@ -1,5 +1,6 @@
 """Server configuration: small frozen dataclasses, validated on construction, loaded from a TOML
-or JSON file (presets in `configs/`).  Defaults live here; a file names only what it changes.
+or JSON file (presets in `configs/`; reading: serving/config_file.py).  Defaults live here; a
+file names only what it changes.
 
     [server]            host, port, tls_cert, tls_key, max_body_bytes, max_n, drain_timeout_s
     [auth]              mode = "none" | "hs256" | "rs256", secret / secret_env / public_key_file,
@@ -12,20 +13,16 @@ or JSON file (presets in `configs/`).  Defaults live here; a file names only wha
     [grpc]              tls_ca, tls_cert, tls_key, token_env   (how grpc:// replicas are dialled)
     [tracing]           otlp_endpoint, service_name   (OpenTelemetry spans; off by default)
     [[models]]          name, version, default, path, engine, replicas, tiers, max_inflight,
-                        max_queue, engine_args
+                        max_queue, engine_args, dtype, quantization, spawn_workers
 """
 
 from __future__ import annotations
 
 import ipaddress
-import json
 import re
-import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
-from types import UnionType
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from xlaserve.models.quantize import check_quantization
 from xlaserve.serving.types import Tier
@@ -325,121 +322,3 @@ class ServerConfig:
 
     def tier_limits(self, tier: Tier) -> TierLimits:
         return self.limits.get(tier.name.lower(), TierLimits())
-
-
-def _typed(hint: Any, value: Any, what: str) -> Any:
-    """`value` checked against the field annotation `hint`, as TOML/JSON give it: a bool is
-    only a bool, an int never a bool, a float may be written as an int, a tuple field is an
-    array.  Returns the value to construct with (arrays become tuples, ints become floats)."""
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, UnionType):
-        if value is None and type(None) in args:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-        return _typed(hint, value, what)
-    if hint is bool:
-        ok, expected = isinstance(value, bool), "true or false"
-    elif hint is int:
-        ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
-    elif hint is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        expected, value = "a number", float(value) if ok else value
-    elif hint is str:
-        ok, expected = isinstance(value, str), "a string"
-    elif origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise ValueError(f"{what}={value!r}: expected an array")
-        return tuple(_typed(args[0], v, f"{what}[{i}]") for i, v in enumerate(value))
-    elif origin is Mapping:
-        if not isinstance(value, dict):
-            raise ValueError(f"{what}={value!r}: expected a table")
-        return {k: _typed(args[1], v, f"{what}.{k}") for k, v in value.items()}
-    else:  # Any, or a nested config built from its own table
-        return value
-    if not ok:
-        raise ValueError(f"{what}={value!r}: expected {expected}")
-    return value
-
-
-def _typed_fields(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """`data` with every value checked against `cls`'s field annotation (see `_typed`)."""
-    hints = get_type_hints(cls)
-    return {k: _typed(hints[k], v, f"{where}.{k}") for k, v in data.items()}
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a table, got {type(data).__name__}")  # noqa: TRY004
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(names)}")
-    kw = _typed_fields(cls, data, where)
-    try:
-        return cls(**kw)
-    except TypeError as e:
-        raise ValueError(f"{where}: {e}") from None
-
-
-def config_from_dict(data: Mapping[str, Any]) -> ServerConfig:
-    """Build a ServerConfig from the file layout in the module docstring."""
-    known = {"server", "auth", "limits", "admission", "router", "auto", "audit", "grpc",
-             "tracing", "models"}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"config: unknown section(s) {unknown}; known: {sorted(known)}")
-    server = data.get("server", {})
-    if not isinstance(server, dict):
-        raise ValueError(f"[server]: expected a table, got {type(server).__name__}")  # noqa: TRY004
-    server_names = {f.name for f in fields(ServerConfig)} - known
-    bad = sorted(set(server) - server_names)
-    if bad:
-        raise ValueError(f"[server]: unknown key(s) {bad}; known: {sorted(server_names)}")
-    kw: dict[str, Any] = _typed_fields(ServerConfig, server, "[server]")
-    for section, kind in (("limits", dict), ("models", list)):
-        if section in data and not isinstance(data[section], kind):
-            raise ValueError(f"[{section}]: expected {'a table' if kind is dict else 'an array'}"
-                             f", got {type(data[section]).__name__}")
-    if "auth" in data:
-        kw["auth"] = _build(AuthConfig, data["auth"], "[auth]")
-    if "limits" in data:
-        kw["limits"] = {t: _build(TierLimits, v, f"[limits.{t}]")
-                        for t, v in data["limits"].items()}
-    if "admission" in data:
-        kw["admission"] = _build(AdmissionConfig, data["admission"], "[admission]")
-    if "router" in data:
-        kw["router"] = _build(RouterConfig, data["router"], "[router]")
-    if "auto" in data:
-        kw["auto"] = _build(AutoRouteConfig, data["auto"], "[auto]")
-    if "audit" in data:
-        kw["audit"] = _build(AuditConfig, data["audit"], "[audit]")
-    if "grpc" in data:
-        kw["grpc"] = _build(GrpcClientConfig, data["grpc"], "[grpc]")
-    if "tracing" in data:
-        kw["tracing"] = _build(TracingConfig, data["tracing"], "[tracing]")
-    kw["models"] = tuple(_build(ServedModel, m, f"[[models]] #{i}")
-                         for i, m in enumerate(data.get("models", [])))
-    return ServerConfig(**kw)
-
-
-def with_model_overrides(config: ServerConfig, *, mesh: str | None = None,
-                         dtype: str | None = None) -> ServerConfig:
-    """`config` with the command line's --mesh / --dtype set on every model (checked as the
-    config's own values are)."""
-    def one(m: ServedModel) -> ServedModel:
-        if mesh:
-            m = replace(m, engine_args={**m.engine_args, "mesh": mesh})
-        return replace(m, dtype=dtype) if dtype else m
-
-    return replace(config, models=tuple(one(m) for m in config.models))
-
-
-def load_config(path: str | Path) -> ServerConfig:
-    """Read a `.toml` or `.json` server config file."""
-    path = Path(path)
-    text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    try:
-        return config_from_dict(data)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None

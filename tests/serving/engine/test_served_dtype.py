@@ -11,14 +11,10 @@ import pytest
 from tests.multidevice.engine_workload import save_model_folder
 from tests.serving.engine.conftest import TINY_CONFIG
 from xlaserve.models.llama import init_params
+from xlaserve.serving.config_file import with_model_overrides
 from xlaserve.serving.engine.async_engine import build
 from xlaserve.serving.engine.replicas import serving_dtype
-from xlaserve.serving.server_config import (
-    BUILTIN_ENGINE,
-    ServedModel,
-    ServerConfig,
-    with_model_overrides,
-)
+from xlaserve.serving.server_config import BUILTIN_ENGINE, ServedModel, ServerConfig
 
 ENGINE_ARGS = {"max_model_len": 64, "block_size": 16, "num_kv_blocks": 8, "max_num_seqs": 2,
                "max_num_batched_tokens": 32, "max_prefill_chunk": 32, "min_table_width": 4}

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from tests.serving.fake_engine import FakeEngine
-from xlaserve.serving.server_config import ServedModel, ServerConfig, config_from_dict, load_config
+from xlaserve.serving.config_file import config_from_dict, load_config
+from xlaserve.serving.server_config import ServedModel, ServerConfig
 from xlaserve.serving.types import Tier
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"

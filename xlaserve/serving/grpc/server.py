@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from xlaserve.serving.config_file import load_config, with_model_overrides
 from xlaserve.serving.disagg.transfer import PrefixFetcher, to_messages
 from xlaserve.serving.engine.kv_handoff import export_prefix, import_prefix
 from xlaserve.serving.engine_api import AsyncEngine
@@ -43,12 +44,7 @@ from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
 from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV, WorkerAuth, channel_credentials
 from xlaserve.serving.grpc.convert import event_to_pb, sampling_from_pb, stats_to_pb, tier_from_pb
-from xlaserve.serving.server_config import (
-    ServedModel,
-    load_config,
-    target_host,
-    with_model_overrides,
-)
+from xlaserve.serving.server_config import ServedModel, target_host
 from xlaserve.serving.telemetry import Telemetry
 from xlaserve.serving.types import EngineEvent, GenerationRequest, KVHandoff
 

@@ -46,17 +46,13 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config as HyperConfig
 
 from xlaserve.serving.admission import AdmissionController
+from xlaserve.serving.config_file import config_from_dict, with_model_overrides
 from xlaserve.serving.disagg.workers import SpawnedWorkers, worker_commands
 from xlaserve.serving.engine_api import AsyncEngine, ServiceCosts
 from xlaserve.serving.http.app import create_app
 from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.router import ModelGroup, Replica, Router
-from xlaserve.serving.server_config import (
-    ServerConfig,
-    config_from_dict,
-    replica_target,
-    with_model_overrides,
-)
+from xlaserve.serving.server_config import ServerConfig, replica_target
 from xlaserve.sharding.distributed import (
     DistributedConfig,
     PeerFailure,
