@@ -31,6 +31,9 @@ def truncated(params: Params, config: ModelConfig, num_layers: int
     if num_layers > config.num_layers:
         raise ValueError(f"draft_layers={num_layers} exceeds the model's {config.num_layers} "
                          f"layers")
+    if "head" in params:
+        raise ValueError("truncated: these parameters are packed for the CPU kernels "
+                         "(pack_params); pass the model's own")
     layers = jax.tree_util.tree_map(lambda a: a[:num_layers], params["layers"])
     return {**params, "layers": layers}, config.replace(num_layers=num_layers)
 

@@ -422,5 +422,6 @@ class LLMEngine:
         out = self._outputs.pop(request_id)
         self._release_token_slot(request_id)
         cached = state.num_cached_tokens if state is not None else 0
-        usage = Usage(len(out.request.prompt_token_ids), len(out.output_ids), cached)
+        drafts = (state.num_draft_tokens, state.num_accepted_tokens) if state else (0, 0)
+        usage = Usage(len(out.request.prompt_token_ids), len(out.output_ids), cached, *drafts)
         return EngineEvent(request_id, finish_reason=reason, usage=usage)

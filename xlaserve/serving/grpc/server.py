@@ -38,7 +38,13 @@ from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
 from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV, WorkerAuth
-from xlaserve.serving.grpc.convert import event_to_pb, sampling_from_pb, stats_to_pb, tier_from_pb
+from xlaserve.serving.grpc.convert import (
+    event_to_pb,
+    sampling_from_pb,
+    speculative_from_pb,
+    stats_to_pb,
+    tier_from_pb,
+)
 from xlaserve.serving.server_config import (
     ServedModel,
     load_config,
@@ -100,7 +106,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                               "xlaserve.engine_request_id": rid,
                                               "xlaserve.prompt_tokens": len(ids)})
         stream = engine.submit(GenerationRequest(rid, ids, sampling, tier, request.priority,
-                                                 request.tenant, None, loop.time()))
+                                                 request.tenant, None, loop.time(),
+                                                 speculative_from_pb(request)))
         try:
             async for ev in stream:
                 times.saw(ev)

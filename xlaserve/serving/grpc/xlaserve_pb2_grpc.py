@@ -60,7 +60,11 @@ class GenerationServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Server-streaming tokens and text deltas; the last message has finish_reason set.
+        """Server-streaming tokens and text deltas; the last message has finish_reason set (or
+        error, with finish_reason "error").  Status codes: INVALID_ARGUMENT for a bad request
+        (no prompt, bad sampling, prompt + max_tokens > max_model_len), NOT_FOUND for a model
+        not served, ALREADY_EXISTS while a request with the same request_id is running (the id
+        is free again once its abort reached the engine), UNAVAILABLE while warming up.
         Cancelling the call or passing its deadline aborts the engine request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -68,19 +72,25 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Aborts request_id (on every model when model is empty); idempotent: an unknown or
+        finished id is not an error.  The aborted Generate stream ends with finish_reason
+        "abort".
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The models served, with their context length and readiness.  Cheap: no engine step.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The engine's counters and measured step costs (what admission projects waits from);
+        cheap, meant to be polled.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
