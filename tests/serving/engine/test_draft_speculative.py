@@ -51,6 +51,9 @@ def test_greedy_output_identical_and_nothing_compiles(warm_engine, smollm2, corp
     stats = engine.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, stats
     assert sum(stats.acceptance_counts[1:]) > 0, stats   # some rows kept drafts
+    finals = [ev[-1].usage for ev in spec.values()]
+    assert sum(u.num_draft_tokens for u in finals if u) == stats.num_draft_tokens
+    assert sum(u.num_accepted_tokens for u in finals if u) == stats.num_accepted_tokens
     assert engine.draft is not None and engine.draft.num_calls > 0
 
 
