@@ -38,7 +38,7 @@ def filtered_probs(logits: jax.Array, s: SamplingArrays, allowed: jax.Array | No
     def filtered_cut(_: None) -> jax.Array:                      # [B, 1]
         lse = jax.nn.logsumexp(z, axis=-1)
         n = min(CANDIDATES, v)
-        cand_z, _ = top_k(z, n)                                   # [B, n] descending
+        cand_z = top_k(z, n)[0]                                   # [B, n] descending
         cut = _cuts(cand_z, lse, s, v)
         inside = (cand_z[:, -1:] < cut) | (n == v) | (cand_z[:, -1:] == -jnp.inf)
         return jax.lax.cond(jnp.all(inside | ~filtering[:, None]), lambda _: cut,
