@@ -28,8 +28,13 @@ def _spec(args: argparse.Namespace) -> int:
     from xlaserve.bench.speculative import spec_main
     from xlaserve.serving.speculative import SpeculativeConfig
 
-    spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=args.ngram_max,
-                             prompt_lookup_min=args.ngram_min)
+    if args.method == "draft":
+        spec = SpeculativeConfig(method="draft", num_speculative_tokens=args.k,
+                                 draft_model=args.draft_model, draft_layers=args.draft_layers)
+    else:
+        spec = SpeculativeConfig(num_speculative_tokens=args.k,
+                                 prompt_lookup_max=args.ngram_max,
+                                 prompt_lookup_min=args.ngram_min)
     return spec_main(args.model, args.workload, args.mode, args.rounds, spec,
                      args.num_requests, args.json)
 
@@ -155,8 +160,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", help="write the rows as JSON")
     s.set_defaults(fn=_startup)
 
-    sp = bsub.add_parser("spec", help="a workload without and with n-gram speculation, "
-                         "interleaved: single-stream TPOT or batch throughput")
+    sp = bsub.add_parser("spec", help="a workload without and with speculation (n-gram or "
+                         "draft model), interleaved: single-stream TPOT or batch throughput")
     sp.add_argument("--model", required=True, help="model folder written by `xlaserve convert`")
     sp.add_argument("--workload", default="lookup", help="a named workload (default lookup)")
     sp.add_argument("--mode", default="single", choices=("single", "batch"))
@@ -165,6 +170,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     sp.add_argument("--ngram-max", type=int, default=4, help="prompt_lookup_max")
     sp.add_argument("--ngram-min", type=int, default=2, help="prompt_lookup_min")
+    sp.add_argument("--method", default="ngram", choices=("ngram", "draft"))
+    sp.add_argument("--draft-model", default=None, help="method draft: the draft's folder")
+    sp.add_argument("--draft-layers", type=int, default=None,
+                    help="method draft: the draft's (or the model's own) first N layers")
     sp.add_argument("--json", default=None, help="write every figure here")
     sp.set_defaults(fn=_spec)
 

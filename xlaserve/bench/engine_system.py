@@ -15,13 +15,15 @@ from xlaserve.bench.workload import Workload
 from xlaserve.serving.engine import EngineConfig, LLMEngine
 from xlaserve.serving.loading import LoadedModel
 from xlaserve.serving.runner.compile_counter import CompileCounter
+from xlaserve.serving.runner.draft_runner import DraftRunner
 from xlaserve.serving.runner.runner import ModelRunner
 from xlaserve.serving.types import GenerationRequest, SamplingParams
 
 
-def new_engine(model: LoadedModel, config: EngineConfig, runner: ModelRunner) -> LLMEngine:
+def new_engine(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
+               draft_runner: DraftRunner | None = None) -> LLMEngine:
     return LLMEngine(model.params, model.config, model.tokenizer, model.mesh, config,
-                     runner=runner)
+                     runner=runner, draft_runner=draft_runner)
 
 
 def _request(rid: str, prompt: tuple[int, ...], max_tokens: int) -> GenerationRequest:

@@ -1,6 +1,6 @@
-"""`xlaserve bench spec`: one workload through the engine without and with n-gram speculation,
-on one runner, the two interleaved (off, on, then on, off, ...) so the machine's drift hits
-both alike.
+"""`xlaserve bench spec`: one workload through the engine without and with speculation (n-gram
+lookup, or a draft model: `--method draft`), on one runner (and one draft runner), the two
+interleaved (off, on, then on, off, ...) so the machine's drift hits both alike.
 
     --mode single   each request alone (single stream); TPOT per request = (time of its last
                     event - time of its first) / (tokens - 1)
@@ -24,9 +24,11 @@ import jax
 from xlaserve.bench.engine_system import new_engine, warm_engine
 from xlaserve.bench.workload import BenchRequest, get_workload
 from xlaserve.serving.engine import EngineConfig
+from xlaserve.serving.engine.draft_model import make_draft_runner
 from xlaserve.serving.engine.replicas import make_runner
 from xlaserve.serving.loading import LoadedModel, load_model
 from xlaserve.serving.runner.compile_counter import CompileCounter
+from xlaserve.serving.runner.draft_runner import DraftRunner
 from xlaserve.serving.runner.runner import ModelRunner
 from xlaserve.serving.speculative import SpecStats, SpeculativeConfig
 from xlaserve.serving.types import GenerationRequest, SamplingParams
@@ -53,10 +55,10 @@ def _request(r: BenchRequest) -> GenerationRequest:
 
 
 def _drive(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
-           batches: list[list[BenchRequest]]) -> Run:
+           batches: list[list[BenchRequest]], draft_runner: DraftRunner | None = None) -> Run:
     """Each batch of requests added at once and run to the end, one batch after the other,
     through a fresh engine (no prefix cache carried over)."""
-    engine = new_engine(model, config, runner)
+    engine = new_engine(model, config, runner, draft_runner)
     tokens: dict[str, list[int]] = {}
     tpot: list[float] = []
     with CompileCounter() as compiles:
@@ -93,11 +95,16 @@ def run_spec_bench(model: LoadedModel, workload: str, mode: str, rounds: int,
     on = off.with_args(speculative=speculative)
     runner = make_runner(model, off)
     warmup_s = warm_engine(model, off, runner, work)
+    draft_runner = None
+    if speculative.method == "draft":
+        draft_runner = make_draft_runner(model.params, model.config, model.mesh, on)
+        warmup_s += draft_runner.warmup()
     batches = [[r] for r in work.requests] if mode == "single" else [list(work.requests)]
     runs: dict[str, list[Run]] = {"off": [], "on": []}
     for i in range(rounds):
         for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
-            runs[name].append(_drive(model, on if name == "on" else off, runner, batches))
+            runs[name].append(_drive(model, on if name == "on" else off, runner, batches,
+                                     draft_runner if name == "on" else None))
     tokens = work.num_output_tokens
 
     def summary(name: str) -> dict[str, Any]:

@@ -119,6 +119,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    num_draft_tokens: int = 0      # speculative drafts verified for the request (not OpenAI's)
+    num_accepted_tokens: int = 0   # of those, accepted
 
     @property
     def total_tokens(self) -> int:

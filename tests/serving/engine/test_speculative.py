@@ -49,8 +49,12 @@ def run(engine: LLMEngine, work: list[tuple[str, list[int], dict]],
 
 
 def summary(events: list[EngineEvent]) -> tuple:
+    """Tokens, text, finish reason and usage (its draft counters aside: speculation's own)."""
+    usage = events[-1].usage
+    assert usage is not None
     return ([t for ev in events for t in ev.token_ids], "".join(ev.text for ev in events),
-            events[-1].finish_reason, events[-1].usage)
+            events[-1].finish_reason,
+            (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens))
 
 
 def check_same(base: dict[str, list[EngineEvent]], spec: dict[str, list[EngineEvent]]) -> None:

@@ -34,7 +34,8 @@ TEMPERATURE = 2.5
 N = 4000
 
 
-def exact_joint(params, prompt: list[int], temperature: float) -> np.ndarray:
+def exact_joint(params, prompt: list[int], temperature: float,
+                config: ModelConfig = CONFIG) -> np.ndarray:
     """P(x1, x2, x3 | prompt) [V, V, V] at `temperature`, from the teacher-forced logits of
     every prompt + (x1, x2) (the jnp reference attention, one compiled length)."""
     n = len(prompt) + 2
@@ -44,8 +45,8 @@ def exact_joint(params, prompt: list[int], temperature: float) -> np.ndarray:
 
     @jax.jit
     def log_probs(params, tokens: jax.Array) -> jax.Array:     # [n] -> [n, V]
-        kv = init_kv_cache(CONFIG, width + 1, BS)
-        logits, _ = forward(params, CONFIG, tokens, jnp.asarray(positions), kv, meta,
+        kv = init_kv_cache(config, width + 1, BS)
+        logits, _ = forward(params, config, tokens, jnp.asarray(positions), kv, meta,
                             attention_backend="reference")
         return jax.nn.log_softmax(logits / temperature, axis=-1)
 

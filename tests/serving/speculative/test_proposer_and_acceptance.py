@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from xlaserve.serving.speculative import (
+    DraftProgress,
+    DraftQuery,
     NgramProposer,
     SpecStats,
     SpeculativeConfig,
@@ -71,3 +73,32 @@ def test_config_validates_and_names_bad_values() -> None:
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['k'\]"):
         SpeculativeConfig.from_dict({"k": 2})
+
+
+def test_draft_method_config_names_what_it_misses() -> None:
+    spec = SpeculativeConfig.from_dict({"method": "draft", "draft_layers": 8,
+                                        "num_speculative_tokens": 3})
+    assert (spec.method, spec.draft_layers, spec.draft_model) == ("draft", 8, None)
+    with pytest.raises(ValueError, match="needs draft_model .* or draft_layers"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="draft_layers=0 must be an integer >= 1"):
+        SpeculativeConfig(method="draft", draft_layers=0)
+    with pytest.raises(ValueError, match="are for method='draft', not 'ngram'"):
+        SpeculativeConfig(draft_layers=4)
+
+
+def test_draft_progress_follows_proposals_and_verifications() -> None:
+    p = DraftProgress()
+    q = DraftQuery("a", (1, 2, 3, 4, 5), 0, (1, 2), limit=3)
+    assert p.start("a", 4) == 0
+    p.proposed(q)                         # fed 1..5, then d1, d2: positions 0..6
+    assert p.computed("a") == 7
+    p.check_integrity({"a": 8})           # 4 computed + t + 3 draft slots
+    p.settle("a", 6)                      # accepted d1: the target computed 6
+    assert p.computed("a") == 6 and p.start("a", 6) == 6
+    with pytest.raises(AssertionError, match="draft KV through 6, holds 5"):
+        p.check_integrity({"a": 5})
+    p.forget("a")
+    assert p.computed("a") == 0
+    with pytest.raises(ValueError, match="draft start 5 outside"):
+        DraftQuery("b", (1, 2, 3, 4, 5), 5, (1,), 1)

@@ -107,6 +107,8 @@ class ThreadedEngine:
             try:
                 if warmup:
                     self.engine.runner.warmup()
+                    if self.engine.draft is not None:
+                        self.engine.draft.runner.warmup()
                     self.engine.calibrate()
             except Exception as e:  # the engine can never serve: say so, and why
                 self._fail_for_good(e, f"warm-up failed ({type(e).__name__}: {e}); this "

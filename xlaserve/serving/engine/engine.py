@@ -40,8 +40,11 @@ import numpy as np
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import Params
 from xlaserve.serving.engine.config import EngineConfig
+from xlaserve.serving.engine.draft_model import make_draft_runner
+from xlaserve.serving.engine.draft_proposer import DraftProposer
 from xlaserve.serving.engine.request_state import OutputState
 from xlaserve.serving.engine.service_costs import CostMeter
+from xlaserve.serving.runner.draft_runner import DraftRunner
 from xlaserve.serving.runner.runner import CallResult, ModelRunner, RowInput, RowSampling
 from xlaserve.serving.runner.token_mask import all_allowed
 from xlaserve.serving.scheduler import Scheduler
@@ -115,13 +118,20 @@ class StepClock:
 class LLMEngine:
     def __init__(self, params: Params, config: ModelConfig, tokenizer: Tokenizer, mesh,
                  engine_config: EngineConfig = EngineConfig(), *,
-                 runner: ModelRunner | None = None):
+                 runner: ModelRunner | None = None, draft_runner: DraftRunner | None = None):
         """`runner` shares an existing runner (and its compiled buckets); the scheduler may
-        then use fewer KV blocks than the runner holds, e.g. to force preemption in a test."""
+        then use fewer KV blocks than the runner holds, e.g. to force preemption in a test.
+        `draft_runner` likewise for speculative method "draft" (else built, not warmed up)."""
         self.model_config = config
         self.config = engine_config
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(engine_config.scheduler, engine_config.speculative)
+        spec = engine_config.speculative
+        self.draft: DraftProposer | None = None
+        if spec is not None and spec.method == "draft":
+            self.draft = DraftProposer(
+                draft_runner or make_draft_runner(params, config, mesh, engine_config),
+                spec.num_speculative_tokens, self._draft_sampling)
+        self.scheduler = Scheduler(engine_config.scheduler, spec, self.draft)
         s = engine_config.scheduler
         if runner is None:
             runner = ModelRunner(params, config, mesh, num_blocks=s.num_kv_blocks,
@@ -263,14 +273,21 @@ class LLMEngine:
 
     def _row(self, row: ScheduledSeq) -> RowInput:
         state = self._outputs[row.request_id]
-        sampling = None
-        if row.sample:
-            s = state.request.sampling
-            counter = row.sample_position - len(state.request.prompt_token_ids)
-            sampling = RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                   min_p=s.min_p, seed=state.seed, counter=counter,
-                                   bias=state.penalty_bias(), logprobs=s.logprobs is not None)
-        return RowInput(row, self._token_slot(row.request_id), sampling or RowSampling())
+        sampling = self._sampling(state, row.sample_position) if row.sample else RowSampling()
+        q = self.draft.probs.pop(row.request_id, None) if self.draft and row.num_draft else None
+        return RowInput(row, self._token_slot(row.request_id), sampling, q)
+
+    def _sampling(self, state: OutputState, position: int) -> RowSampling:
+        """How `state`'s request samples the token at `position` (its index among the output
+        keys the seeded draw)."""
+        s = state.request.sampling
+        return RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                           min_p=s.min_p, seed=state.seed,
+                           counter=position - len(state.request.prompt_token_ids),
+                           bias=state.penalty_bias(), logprobs=s.logprobs is not None)
+
+    def _draft_sampling(self, request_id: str, position: int) -> RowSampling:
+        return self._sampling(self._outputs[request_id], position)
 
     def _launch(self, launched: _Launched) -> None:
         plan = launched.plan
@@ -394,6 +411,8 @@ class LLMEngine:
         self.scheduler.drop_in_flight()
         self.scheduler.kv_cache.pool.forget_hashes()
         self.runner.reset_state()
+        if self.draft is not None:
+            self.draft.runner.reset_state()
         return events
 
     def _release_token_slot(self, request_id: str) -> None:
@@ -405,5 +424,6 @@ class LLMEngine:
         out = self._outputs.pop(request_id)
         self._release_token_slot(request_id)
         cached = state.num_cached_tokens if state is not None else 0
-        usage = Usage(len(out.request.prompt_token_ids), len(out.output_ids), cached)
+        drafts = (state.num_draft_tokens, state.num_accepted_tokens) if state else (0, 0)
+        usage = Usage(len(out.request.prompt_token_ids), len(out.output_ids), cached, *drafts)
         return EngineEvent(request_id, finish_reason=reason, usage=usage)

@@ -96,6 +96,9 @@ def build_engines(folder: str | Path, engine_config: EngineConfig, *, dtype: str
         runner = make_runner(model, engine_config)
         if warmup:
             runner.warmup()
-        engines.append(LLMEngine(model.params, model.config, model.tokenizer, model.mesh,
-                                 engine_config, runner=runner))
+        engine = LLMEngine(model.params, model.config, model.tokenizer, model.mesh,
+                           engine_config, runner=runner)
+        if warmup and engine.draft is not None:
+            engine.draft.runner.warmup()
+        engines.append(engine)
     return engines

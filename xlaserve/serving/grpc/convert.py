@@ -45,11 +45,19 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
 
 
 def request_to_pb(r: GenerationRequest, model: str) -> pb.GenerateRequest:
-    return pb.GenerateRequest(model=model, request_id=r.request_id,
-                              prompt_token_ids=r.prompt_token_ids,
-                              sampling=sampling_to_pb(r.sampling), tier=int(r.tier),
-                              priority=r.priority, tenant=r.tenant, continues=r.continues,
-                              output_token_ids=list(r.output_token_ids))
+    m = pb.GenerateRequest(model=model, request_id=r.request_id,
+                           prompt_token_ids=r.prompt_token_ids,
+                           sampling=sampling_to_pb(r.sampling), tier=int(r.tier),
+                           priority=r.priority, tenant=r.tenant, continues=r.continues,
+                           output_token_ids=list(r.output_token_ids))
+    if not r.speculative:
+        m.speculative = False
+    return m
+
+
+def speculative_from_pb(m: pb.GenerateRequest) -> bool:
+    """The request's opt-out: absent means it may speculate."""
+    return m.speculative if m.HasField("speculative") else True
 
 
 def event_to_pb(e: EngineEvent) -> pb.GenerateResponse:
@@ -62,7 +70,9 @@ def event_to_pb(e: EngineEvent) -> pb.GenerateResponse:
     if e.usage is not None:
         m.usage.CopyFrom(pb.Usage(prompt_tokens=e.usage.prompt_tokens,
                                   completion_tokens=e.usage.completion_tokens,
-                                  cached_tokens=e.usage.cached_tokens))
+                                  cached_tokens=e.usage.cached_tokens,
+                                  num_draft_tokens=e.usage.num_draft_tokens,
+                                  num_accepted_tokens=e.usage.num_accepted_tokens))
     if e.kv_handoff is not None:
         h = e.kv_handoff
         m.kv_blocks, m.kv_bytes, m.kv_seconds = h.blocks, h.nbytes, h.seconds
@@ -76,7 +86,8 @@ def event_from_pb(m: pb.GenerateResponse) -> EngineEvent:
                                     tuple(zip(lp.top_token_ids, lp.top_logprobs)))
                        for lp in m.logprobs),
         finish_reason=m.finish_reason or None,
-        usage=Usage(m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.cached_tokens)
+        usage=Usage(m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.cached_tokens,
+                    m.usage.num_draft_tokens, m.usage.num_accepted_tokens)
         if m.HasField("usage") else None,
         error=m.error or None,
         kv_handoff=KVHandoff(m.kv_blocks, m.kv_bytes, m.kv_seconds) if m.kv_seconds else None)
@@ -97,13 +108,19 @@ def stats_to_pb(s: EngineStats, costs: ServiceCosts, ready: bool) -> pb.EngineSt
                           prefix_cache_hits=s.prefix_cache_hits,
                           num_preemptions=s.num_preemptions, num_finished=s.num_finished,
                           ready=ready, max_running=costs.max_running, step_s=costs.step_s,
-                          prefill_tokens_per_s=costs.prefill_tokens_per_s)
+                          prefill_tokens_per_s=costs.prefill_tokens_per_s,
+                          spec_num_drafts=s.spec_num_drafts,
+                          spec_num_draft_tokens=s.spec_num_draft_tokens,
+                          spec_num_accepted_tokens=s.spec_num_accepted_tokens,
+                          spec_acceptance_counts=list(s.spec_acceptance_counts))
 
 
 def stats_from_pb(m: pb.EngineStats) -> EngineStats:
     return EngineStats(m.num_running, m.num_waiting, m.kv_blocks_total, m.kv_blocks_used,
                        m.kv_blocks_cached, m.prefix_cache_queries, m.prefix_cache_hits,
-                       m.num_preemptions, m.num_finished)
+                       m.num_preemptions, m.num_finished, m.spec_num_drafts,
+                       m.spec_num_draft_tokens, m.spec_num_accepted_tokens,
+                       tuple(m.spec_acceptance_counts))
 
 
 def costs_from_pb(m: pb.EngineStats) -> ServiceCosts:

@@ -43,7 +43,13 @@ from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
 from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV, WorkerAuth, channel_credentials
-from xlaserve.serving.grpc.convert import event_to_pb, sampling_from_pb, stats_to_pb, tier_from_pb
+from xlaserve.serving.grpc.convert import (
+    event_to_pb,
+    sampling_from_pb,
+    speculative_from_pb,
+    stats_to_pb,
+    tier_from_pb,
+)
 from xlaserve.serving.server_config import ServedModel, target_host
 from xlaserve.serving.telemetry import Telemetry
 from xlaserve.serving.types import EngineEvent, GenerationRequest, KVHandoff
@@ -122,7 +128,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                          request.model, ids, request.tenant)
         stream = engine.submit(GenerationRequest(
             rid, ids, sampling, tier, request.priority, request.tenant, None, loop.time(),
-            output_token_ids=tuple(request.output_token_ids), continues=request.continues))
+            speculative_from_pb(request), output_token_ids=tuple(request.output_token_ids),
+            continues=request.continues))
         try:
             async for ev in stream:
                 times.saw(ev)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$xlaserve/serving/grpc/xlaserve.proto\x12\x0bxlaserve.v1\"\xc7\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12\x17\n\x0f\x63onstraint_kind\x18\r \x01(\t\x12\x17\n\x0f\x63onstraint_spec\x18\x0e \x01(\tB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xfd\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.xlaserve.v1.SamplingParams\x12\x0c\n\x04tier\x18\x06 \x01(\x05\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x11\n\tcontinues\x18\x14 \x01(\x08\x12\x18\n\x10output_token_ids\x18\x15 \x03(\x05\x12\x11\n\tkv_source\x18\x16 \x01(\t\"J\n\x0f\x45xportKVRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"g\n\x08KVBlocks\x12\x12\n\nblock_size\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\x12\r\n\x05shape\x18\x03 \x03(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\t\n\x01k\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xf6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.xlaserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.xlaserve.v1.Usage\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x11\n\tkv_blocks\x18\x14 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x15 \x01(\x03\x12\x12\n\nkv_seconds\x18\x16 \x01(\x01\"1\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"\x0f\n\rAbortResponse\"\x13\n\x11ListModelsRequest\"?\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\r\n\x05ready\x18\x03 \x01(\x08\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.xlaserve.v1.ModelInfo\" \n\x0fGetStatsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xc2\x02\n\x0b\x45ngineStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\x05\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x03\x12\x14\n\x0cnum_finished\x18\t \x01(\x03\x12\r\n\x05ready\x18\x0b \x01(\x08\x12\x13\n\x0bmax_running\x18\x0c \x01(\x05\x12\x0e\n\x06step_s\x18\r \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x0e \x01(\x01J\x04\x08\n\x10\x0b\x32\xed\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.xlaserve.v1.GenerateRequest\x1a\x1d.xlaserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.xlaserve.v1.AbortRequest\x1a\x1a.xlaserve.v1.AbortResponse\x12M\n\nListModels\x12\x1e.xlaserve.v1.ListModelsRequest\x1a\x1f.xlaserve.v1.ListModelsResponse\x12\x42\n\x08GetStats\x12\x1c.xlaserve.v1.GetStatsRequest\x1a\x18.xlaserve.v1.EngineStats\x12\x41\n\x08\x45xportKV\x12\x1c.xlaserve.v1.ExportKVRequest\x1a\x15.xlaserve.v1.KVBlocks0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$xlaserve/serving/grpc/xlaserve.proto\x12\x0bxlaserve.v1\"\xc7\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12\x17\n\x0f\x63onstraint_kind\x18\r \x01(\t\x12\x17\n\x0f\x63onstraint_spec\x18\x0e \x01(\tB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xa7\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.xlaserve.v1.SamplingParams\x12\x0c\n\x04tier\x18\x06 \x01(\x05\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x18\n\x0bspeculative\x18\t \x01(\x08H\x00\x88\x01\x01\x12\x11\n\tcontinues\x18\x14 \x01(\x08\x12\x18\n\x10output_token_ids\x18\x15 \x03(\x05\x12\x11\n\tkv_source\x18\x16 \x01(\tB\x0e\n\x0c_speculative\"J\n\x0f\x45xportKVRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"g\n\x08KVBlocks\x12\x12\n\nblock_size\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\x12\r\n\x05shape\x18\x03 \x03(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\t\n\x01k\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x87\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x05\"\xf6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.xlaserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.xlaserve.v1.Usage\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x11\n\tkv_blocks\x18\x14 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x15 \x01(\x03\x12\x12\n\nkv_seconds\x18\x16 \x01(\x01\"1\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"\x0f\n\rAbortResponse\"\x13\n\x11ListModelsRequest\"?\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\r\n\x05ready\x18\x03 \x01(\x08\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.xlaserve.v1.ModelInfo\" \n\x0fGetStatsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xbc\x03\n\x0b\x45ngineStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\x05\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x03\x12\x14\n\x0cnum_finished\x18\t \x01(\x03\x12\r\n\x05ready\x18\x0b \x01(\x08\x12\x13\n\x0bmax_running\x18\x0c \x01(\x05\x12\x0e\n\x06step_s\x18\r \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x0e \x01(\x01\x12\x17\n\x0fspec_num_drafts\x18\x0f \x01(\x03\x12\x1d\n\x15spec_num_draft_tokens\x18\x10 \x01(\x03\x12 \n\x18spec_num_accepted_tokens\x18\x11 \x01(\x03\x12\x1e\n\x16spec_acceptance_counts\x18\x12 \x03(\x03J\x04\x08\n\x10\x0b\x32\xed\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.xlaserve.v1.GenerateRequest\x1a\x1d.xlaserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.xlaserve.v1.AbortRequest\x1a\x1a.xlaserve.v1.AbortResponse\x12M\n\nListModels\x12\x1e.xlaserve.v1.ListModelsRequest\x1a\x1f.xlaserve.v1.ListModelsResponse\x12\x42\n\x08GetStats\x12\x1c.xlaserve.v1.GetStatsRequest\x1a\x18.xlaserve.v1.EngineStats\x12\x41\n\x08\x45xportKV\x12\x1c.xlaserve.v1.ExportKVRequest\x1a\x15.xlaserve.v1.KVBlocks0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=54
   _globals['_SAMPLINGPARAMS']._serialized_end=381
   _globals['_GENERATEREQUEST']._serialized_start=384
-  _globals['_GENERATEREQUEST']._serialized_end=637
-  _globals['_EXPORTKVREQUEST']._serialized_start=639
-  _globals['_EXPORTKVREQUEST']._serialized_end=713
-  _globals['_KVBLOCKS']._serialized_start=715
-  _globals['_KVBLOCKS']._serialized_end=818
-  _globals['_TOKENLOGPROB']._serialized_start=820
-  _globals['_TOKENLOGPROB']._serialized_end=914
-  _globals['_USAGE']._serialized_start=916
-  _globals['_USAGE']._serialized_end=996
-  _globals['_GENERATERESPONSE']._serialized_start=999
-  _globals['_GENERATERESPONSE']._serialized_end=1245
-  _globals['_ABORTREQUEST']._serialized_start=1247
-  _globals['_ABORTREQUEST']._serialized_end=1296
-  _globals['_ABORTRESPONSE']._serialized_start=1298
-  _globals['_ABORTRESPONSE']._serialized_end=1313
-  _globals['_LISTMODELSREQUEST']._serialized_start=1315
-  _globals['_LISTMODELSREQUEST']._serialized_end=1334
-  _globals['_MODELINFO']._serialized_start=1336
-  _globals['_MODELINFO']._serialized_end=1399
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1401
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1461
-  _globals['_GETSTATSREQUEST']._serialized_start=1463
-  _globals['_GETSTATSREQUEST']._serialized_end=1495
-  _globals['_ENGINESTATS']._serialized_start=1498
-  _globals['_ENGINESTATS']._serialized_end=1820
-  _globals['_GENERATION']._serialized_start=1823
-  _globals['_GENERATION']._serialized_end=2188
+  _globals['_GENERATEREQUEST']._serialized_end=679
+  _globals['_EXPORTKVREQUEST']._serialized_start=681
+  _globals['_EXPORTKVREQUEST']._serialized_end=755
+  _globals['_KVBLOCKS']._serialized_start=757
+  _globals['_KVBLOCKS']._serialized_end=860
+  _globals['_TOKENLOGPROB']._serialized_start=862
+  _globals['_TOKENLOGPROB']._serialized_end=956
+  _globals['_USAGE']._serialized_start=959
+  _globals['_USAGE']._serialized_end=1094
+  _globals['_GENERATERESPONSE']._serialized_start=1097
+  _globals['_GENERATERESPONSE']._serialized_end=1343
+  _globals['_ABORTREQUEST']._serialized_start=1345
+  _globals['_ABORTREQUEST']._serialized_end=1394
+  _globals['_ABORTRESPONSE']._serialized_start=1396
+  _globals['_ABORTRESPONSE']._serialized_end=1411
+  _globals['_LISTMODELSREQUEST']._serialized_start=1413
+  _globals['_LISTMODELSREQUEST']._serialized_end=1432
+  _globals['_MODELINFO']._serialized_start=1434
+  _globals['_MODELINFO']._serialized_end=1497
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1499
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1559
+  _globals['_GETSTATSREQUEST']._serialized_start=1561
+  _globals['_GETSTATSREQUEST']._serialized_end=1593
+  _globals['_ENGINESTATS']._serialized_start=1596
+  _globals['_ENGINESTATS']._serialized_end=2040
+  _globals['_GENERATION']._serialized_start=2043
+  _globals['_GENERATION']._serialized_end=2408
 # @@protoc_insertion_point(module_scope)

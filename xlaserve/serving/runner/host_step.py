@@ -32,7 +32,12 @@ class HostStep(NamedTuple):
     seed: np.ndarray          # [R] uint32
     counter: np.ndarray       # [R] int32
     logprobs: np.ndarray      # [R] bool: the row wants logprobs
+    draft_token: np.ndarray   # [R] int32: the draft this sample row verifies against
+                              #   draft_probs (a draft model's sampled draft), else -1
     bias: np.ndarray | None   # [R, V] float32, None = zeros (kept on device per bucket)
+    # [R, V] float32: the distribution q each draft_token was drawn from (a draft model's,
+    # for rows with temperature > 0); None = no such row.  One process only (not broadcast).
+    draft_probs: np.ndarray | None = None
 
     @staticmethod
     def specs(r: int, t: int, w: int, vocab: int | None) -> list[tuple[tuple[int, ...], Any]]:
@@ -41,7 +46,7 @@ class HostStep(NamedTuple):
         out = [((t,), i32), ((t,), i32), ((t,), i32), ((t,), i32), ((r, w), i32),
                ((r,), i32), ((r,), i32), ((r,), np.dtype(np.bool_)),
                ((r,), f32), ((r,), i32), ((r,), f32), ((r,), f32), ((r,), np.dtype(np.uint32)),
-               ((r,), i32), ((r,), np.dtype(np.bool_))]
+               ((r,), i32), ((r,), np.dtype(np.bool_)), ((r,), i32)]
         return out + ([((r, vocab), f32)] if vocab is not None else [])
 
     @property
@@ -66,7 +71,7 @@ class HostStep(NamedTuple):
                          self.temperature.view(np.int32), self.top_k,
                          self.top_p.view(np.int32), self.min_p.view(np.int32),
                          self.seed.view(np.int32), self.counter,
-                         self.logprobs.astype(np.int32)])
+                         self.logprobs.astype(np.int32), self.draft_token])
         tokens = np.stack([self.tokens, self.positions, self.token_rows, self.slot_mapping])
         return rows, tokens, self.block_tables
 
@@ -88,7 +93,7 @@ def sample_rows(num_drafts: Sequence[int]) -> tuple[tuple[int, ...], ...]:
 
 # the rows of HostStep.packed()'s buffers
 ROW_FIELDS = ("logits_index", "row_slot", "sample_mask", "temperature", "top_k", "top_p",
-              "min_p", "seed", "counter", "logprobs")
+              "min_p", "seed", "counter", "logprobs", "draft_token")
 TOKEN_FIELDS = ("tokens", "positions", "token_rows", "slot_mapping")
 
 

@@ -37,3 +37,6 @@ class RowInput:
     seq: ScheduledSeq
     token_slot: int
     sampling: RowSampling = GREEDY
+    # [num_draft, V] float32: the draft model's distribution each draft was drawn from (a
+    # verify row of a sampling request under method "draft"); None: point-mass drafts
+    draft_probs: np.ndarray | None = None

@@ -201,7 +201,8 @@ class ModelRunner:
                         spec((len(TOKEN_FIELDS), t), i32), spec((r, w), i32))
         v = self.config.vocab_size
         sample_args = (spec((r, v), jnp.float32), self.token_slots, rows,
-                       spec((r, v), jnp.float32), spec((r, mask_words(v)), i32))
+                       spec((r, v), jnp.float32), spec((r, mask_words(v)), i32),
+                       spec((r, v), jnp.float32))
         return forward_args, sample_args
 
     def compile(self, shape: tuple[int, int, int]) -> Any:
@@ -328,7 +329,9 @@ class ModelRunner:
         seed = np.zeros(r, np.uint32)
         counter = np.zeros(r, np.int32)
         logprobs = np.zeros(r, np.bool_)
+        draft_token = np.full(r, -1, np.int32)
         bias: np.ndarray | None = None
+        draft_probs: np.ndarray | None = None
         at = 0
         order = sample_rows([row.seq.num_draft for row in rows])
         for i, (row, where) in enumerate(zip(rows, order)):
@@ -357,13 +360,18 @@ class ModelRunner:
                     if bias is None:
                         bias = np.zeros((r, self.config.vocab_size), np.float32)
                     bias[sr] = s.bias
+                if row.draft_probs is not None and j < seq.num_draft:   # q of draft j
+                    if draft_probs is None:
+                        draft_probs = np.zeros((r, vocab), np.float32)
+                    draft_probs[sr] = row.draft_probs[j]
+                    draft_token[sr] = seq.token_ids[k - len(where) + j + 1]
             at += k
             # only the row's own sample row feeds its token slot (read by a later PENDING_TOKEN)
             row_slot[i] = row.token_slot
             sample_mask[i] = seq.sample
         return HostStep(tokens, positions, token_rows, slots, tables, logits_index, row_slot,
                         sample_mask, temperature, top_k, top_p, min_p, seed, counter, logprobs,
-                        bias)
+                        draft_token, bias, draft_probs)
 
     def _execute(self, host: HostStep, masks: MaskSource | None = None) -> SampleOutput:
         """Launch the compiled call for `host` (asynchronously); the runner's state advances.
@@ -373,12 +381,19 @@ class ModelRunner:
         rows, toks, tables = self._put(*host.packed())
         bias = self._put(host.bias)[0] if host.bias is not None else self._zeros_bias(r)
         self.kv, logits = fn(self.params, self.kv, self.token_slots, rows, toks, tables)
+        self._forwarded(host, rows, logits)
         mask = masks() if masks is not None else None
         allowed = self._put(self._pad_mask(mask, r))[0] if mask is not None else \
             self._all_allowed(r)
+        q = self._put(host.draft_probs)[0] if host.draft_probs is not None else \
+            self._zeros_bias(r)   # unread: no row has a draft_token
         self.token_slots, out = self._compiled_sample[r](
-            logits, self.token_slots, rows, bias, allowed)
+            logits, self.token_slots, rows, bias, allowed, q)
         return out
+
+    def _forwarded(self, host: HostStep, rows: jax.Array, logits: jax.Array) -> None:
+        """Called with each call's logits [R, V] once its forward is launched (a draft model's
+        runner takes its distributions from them: draft_runner.py)."""
 
     def _pad_mask(self, mask: np.ndarray, r: int) -> np.ndarray:
         """A [rows, W] mask padded to the bucket's r rows (padding rows: everything allowed)."""

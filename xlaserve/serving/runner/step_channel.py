@@ -73,6 +73,9 @@ class StepChannel:
         self.seq += 1
         if op is Op.STEP:
             assert host is not None
+            if host.draft_probs is not None:
+                raise ValueError("draft-model speculation with sampled drafts runs on one "
+                                 "process: a multi-host step cannot carry draft_probs")
             r, t, w = host.shape
             header = np.array([op, r, t, w, host.bias is not None, self.seq], np.int32)
             self._broadcast(header)

@@ -3,7 +3,9 @@ over a step's packed inputs (HostStep.packed) and the sampler.
 
     forward_step  tokens[PENDING_TOKEN] <- token_slots[row_slot[row]]   (sampled last step)
                   logits [R, V], kv = forward(...)                      (kv donated)
-    sample_step   out = sample(logits, allowed-token mask);  token_slots[row_slot] <- out.tokens
+    sample_step   out = sample(logits, allowed-token mask)
+                  rows verifying a draft model's sampled drafts: accept or resample
+                  (draft_verify.py);  token_slots[row_slot] <- out.tokens
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from jax.sharding import NamedSharding
 
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import AttentionMetadata, KVCache, Params
+from xlaserve.serving.runner.draft_verify import verify_drafts
 from xlaserve.serving.runner.sampling import SampleOutput, SamplingArrays, sample
 from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
 from xlaserve.sharding.parallel_forward import Forward
@@ -37,17 +40,24 @@ def forward_step(params: Params, kv: KVCache, token_slots: jax.Array, rows: jax.
 
 
 def sample_step(logits: jax.Array, token_slots: jax.Array, rows: jax.Array, bias: jax.Array,
-                allowed: jax.Array) -> tuple[jax.Array, SampleOutput]:
+                allowed: jax.Array, draft_probs: jax.Array) -> tuple[jax.Array, SampleOutput]:
     # logits: [R, V]; rows: [ROW_FIELDS, R] (HostStep.packed); bias: [R, V];
-    # allowed: [R, ceil(V/32)] int32 packed allowed-token mask (token_mask.py)
+    # allowed: [R, ceil(V/32)] int32 packed allowed-token mask (token_mask.py);
+    # draft_probs: [R, V] the draft distribution of rows with a draft_token (else unread)
+    sampling = sampling_arrays(rows, bias)
+    draft_token, sample_mask, row_slot = rows[-1], rows[2], rows[1]
+    out = verify_drafts(logits, sampling, allowed, sample(logits, sampling, allowed),
+                        draft_token, draft_probs)
+    token_slots = token_slots.at[jnp.where(sample_mask != 0, row_slot, 0)].set(out.tokens)
+    return token_slots, out
+
+
+def sampling_arrays(rows: jax.Array, bias: jax.Array) -> SamplingArrays:
+    """The sampling fields of HostStep.packed's row buffer [ROW_FIELDS, R]."""
     def f32(x: jax.Array) -> jax.Array:
         return jax.lax.bitcast_convert_type(x, jnp.float32)
 
-    (_, row_slot, sample_mask, temperature, top_k, top_p, min_p, seed, counter,
-     logprobs) = rows
-    sampling = SamplingArrays(f32(temperature), top_k, f32(top_p), f32(min_p),
-                              jax.lax.bitcast_convert_type(seed, jnp.uint32), counter, bias,
-                              logprobs != 0)
-    out = sample(logits, sampling, allowed)
-    token_slots = token_slots.at[jnp.where(sample_mask != 0, row_slot, 0)].set(out.tokens)
-    return token_slots, out
+    (_, _, _, temperature, top_k, top_p, min_p, seed, counter, logprobs, _) = rows
+    return SamplingArrays(f32(temperature), top_k, f32(top_p), f32(min_p),
+                          jax.lax.bitcast_convert_type(seed, jnp.uint32), counter, bias,
+                          logprobs != 0)

@@ -44,7 +44,8 @@ every plan not yet updated.
 
 Speculative decoding (with a `SpeculativeConfig`): once a step's rows are chosen, decode rows
 may become verify rows of 1 + k tokens; `update` keeps the accepted drafts and trims the KV of
-the rest (drafts.py has the protocol).
+the rest (drafts.py has the protocol).  With method "draft" the engine hands in the draft model
+(a BatchProposer) and the scheduler tracks its cache (`draft_progress`).
 
 Prefix-cache hits are registered between steps (start of `schedule`, preemption, finish), so a
 hit always reads KV that an earlier device step wrote.
@@ -59,7 +60,11 @@ from dataclasses import dataclass, field
 
 from xlaserve.serving.kv_cache import KVCacheManager
 from xlaserve.serving.scheduler.config import SchedulerConfig
-from xlaserve.serving.scheduler.drafts import propose_drafts, settle_drafts
+from xlaserve.serving.scheduler.drafts import (
+    propose_drafts,
+    propose_model_drafts,
+    settle_drafts,
+)
 from xlaserve.serving.scheduler.priority import priority_key, waiting_key
 from xlaserve.serving.scheduler.scheduler_stats import SchedulerStats
 from xlaserve.serving.scheduler.sequence import RequestState, Sequence, SequenceStatus
@@ -69,7 +74,13 @@ from xlaserve.serving.scheduler.step_plan import (
     StepPlan,
     slot_mapping,
 )
-from xlaserve.serving.speculative import NgramProposer, SpecStats, SpeculativeConfig
+from xlaserve.serving.speculative import (
+    BatchProposer,
+    DraftProgress,
+    NgramProposer,
+    SpecStats,
+    SpeculativeConfig,
+)
 from xlaserve.serving.speculative.acceptance import accept_drafts
 from xlaserve.serving.types import GenerationRequest
 
@@ -98,10 +109,18 @@ class _Draft:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig,
-                 speculative: SpeculativeConfig | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, speculative: SpeculativeConfig | None = None,
+                 draft_model: BatchProposer | None = None) -> None:
+        """`draft_model`: the proposer of method "draft" (required with it, refused without)."""
         self.config = config
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.speculative = speculative
+        if (draft_model is not None) != (speculative is not None
+                                         and speculative.method == "draft"):
+            raise ValueError(f"draft_model={draft_model!r} goes with method 'draft', got "
+                             f"speculative={speculative!r}")
+        self.proposer: NgramProposer | BatchProposer | None = draft_model or (
+            NgramProposer(speculative) if speculative is not None else None)
+        self.draft_progress = DraftProgress() if draft_model is not None else None
         self.spec_stats = SpecStats()
         self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size,
                                        enable_prefix_caching=config.enable_prefix_caching)
@@ -154,6 +173,8 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self._cache_computed(seq)
             self.kv_cache.free(request_id)
+            if self.draft_progress is not None:
+                self.draft_progress.forget(request_id)
             del self._running[request_id]
         else:
             del self._waiting[request_id]
@@ -235,7 +256,8 @@ class Scheduler:
             out[rid] = accept_drafts(row.draft_token_ids, given[rid])
             seq.all_token_ids[row.sample_position] = out[rid][0]
             if row.num_draft:
-                settle_drafts(seq, row, out[rid], self.kv_cache, self.spec_stats)
+                settle_drafts(seq, row, out[rid], self.kv_cache, self.spec_stats,
+                              self.draft_progress)
         return out
 
     @property
@@ -313,9 +335,16 @@ class Scheduler:
         return self.kv_cache.unregistered_block_hashes(seq.request_id, known)
 
     def _propose(self, draft: _Draft) -> None:
-        assert self.proposer is not None
-        drafts = propose_drafts(self.proposer, self.kv_cache, self.config,
-                                list(draft.entries.values()), draft.budget)
+        assert self.proposer is not None and self.speculative is not None
+        entries = list(draft.entries.values())
+        if isinstance(self.proposer, NgramProposer):
+            drafts = propose_drafts(self.proposer, self.kv_cache, self.config, entries,
+                                    draft.budget)
+        else:
+            assert self.draft_progress is not None
+            drafts = propose_model_drafts(self.proposer, self.speculative.num_speculative_tokens,
+                                          self.draft_progress, self.kv_cache, self.config,
+                                          entries, draft.budget)
         draft.drafts.update(drafts)
         draft.budget -= sum(len(d) for d in drafts.values())
 
@@ -344,6 +373,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._cache_computed(seq)  # so the recompute can hit its own full blocks
         self.kv_cache.free(seq.request_id)
+        if self.draft_progress is not None:
+            self.draft_progress.forget(seq.request_id)
         seq.num_computed_tokens = seq.num_draft_slots = 0
         seq.status, seq.requeued = SequenceStatus.WAITING, True
         seq.num_preemptions += 1
@@ -388,6 +419,9 @@ class Scheduler:
         assert self._running.keys() | self._waiting.keys() == self._seqs.keys(), "lost a request"
         assert self.kv_cache.request_ids() == self._running.keys(), "blocks held by non-running"
         assert len(self._running) <= self.config.max_num_seqs, "too many running"
+        if self.draft_progress is not None:
+            self.draft_progress.check_integrity(
+                {rid: self.kv_cache.num_tokens(rid) for rid in self._running})
         for rid, seq in self._seqs.items():
             known = seq.num_known_tokens
             assert PENDING_TOKEN not in seq.all_token_ids[:known], f"{rid}: placeholder inside"
