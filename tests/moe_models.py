@@ -1,6 +1,7 @@
 """Tiny random mixture-of-experts models made with transformers, shared by the MoE tests:
-Mixtral, Qwen2-MoE (shared expert, q/k/v biases; with and without norm_topk_prob) and Qwen3-MoE
-(per-head q/k norms), saved as HF safetensors with a byte-level tokenizer."""
+Mixtral, Qwen2-MoE (shared expert, q/k/v biases; with and without norm_topk_prob), Qwen3-MoE
+(per-head q/k norms) and OLMoE (q/k norms over all heads at once), saved as HF safetensors
+with a byte-level tokenizer."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ MOE_VARIANTS = {
                                 norm_topk_prob=True),
     "qwen3-moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True),
+    "olmoe": dict(model_type="olmoe", num_experts=8, num_experts_per_tok=2,
+                  intermediate_size=32, norm_topk_prob=False),
 }
 
 
@@ -28,7 +31,7 @@ def hf_moe_model(variant: dict, layers: int = 2):
 
     variant = dict(variant)
     kind = variant.pop("model_type")
-    variant.setdefault("intermediate_size", 160)
+    variant.setdefault("intermediate_size", 160)   # OLMoE: its experts' size
     cfg = AutoConfig.for_model(kind, vocab_size=256, hidden_size=64, num_hidden_layers=layers,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                max_position_embeddings=512, rms_norm_eps=1e-6,

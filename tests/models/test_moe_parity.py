@@ -1,6 +1,7 @@
 """Mixture-of-experts models against Hugging Face transformers: tiny random Mixtral, Qwen2-MoE
 (shared expert with its sigmoid gate, q/k/v biases, with and without norm_topk_prob) and
-Qwen3-MoE (per-head q/k norms), saved as HF safetensors, converted, logits compared in float32
+Qwen3-MoE (per-head q/k norms) and OLMoE (q/k norms over all heads), saved as HF safetensors,
+converted, logits compared in float32
 (all at once, in chunks through the paged cache, and token by token)."""
 
 from __future__ import annotations

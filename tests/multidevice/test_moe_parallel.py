@@ -137,3 +137,23 @@ def test_ep_step_collectives(moe_models, layout_name: str) -> None:
             config.moe_intermediate_size // m.tensor)
     assert re.search(rf"f32\[{','.join(map(str, local))}\]", hlo)
     assert not re.search(rf"f32\[{','.join(map(str, full))}\]", hlo)
+
+
+def test_olmoe_matches_transformers_where_its_heads_stay_whole(tmp_path: Path) -> None:
+    """OLMoE's q/k norms span every head: expert and pipeline layouts match transformers, and
+    a layout that splits the heads over `tensor` is refused, saying why."""
+    folder, hf = convert_moe("olmoe", tmp_path)
+    with torch.no_grad():
+        want = hf(torch.tensor([IDS])).logits[0].numpy()
+    config = load_config(folder)
+    assert config.qk_norm_span == "all"
+    for name in ("ep2", "ep4", "ep2xpp2"):
+        mesh = make_mesh(LAYOUTS[name])
+        layout = ShardLayout.create(config, mesh)
+        params = load_params(folder, config, mesh)
+        step = make_step([IDS], [0], width=3, block_size=16, all_logits=True)
+        logits, _ = run(make_sharded_forward(config, mesh), params, config, step,
+                        layout.init_kv_cache(mesh, 4, 16))
+        assert max_rel_error(logits, want) < 1e-5, name
+    with pytest.raises(ValueError, match="q/k norm spans every head"):
+        ShardLayout.create(config, make_mesh(LAYOUTS["ep2xtp2"]))

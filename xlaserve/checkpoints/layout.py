@@ -17,6 +17,7 @@ stacked on the experts axis (Mixtral's names; Qwen2/Qwen3-MoE's in brackets):
     (mlp.shared_expert.{gate,up,down}_proj, shared_expert_gate [1, E]) -> ws_*, ws_router [L, E]
     (self_attn.{q,k,v}_proj.bias [H*D | K*D]) -> bq [L, H, D], bk, bv [L, K, D]
     (self_attn.{q,k}_norm [D])                -> q_norm, k_norm [L, D]
+    (OLMoE: self_attn.{q,k}_norm [H*D | K*D])  -> q_norm [L, H, D], k_norm [L, K, D]
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def _to_ours(name: str, w: np.ndarray, c: ModelConfig) -> np.ndarray:
         return w.reshape(c.num_heads, d)
     if name in ("bk", "bv"):
         return w.reshape(c.num_kv_heads, d)
+    if c.qk_norm_span == "all" and name in ("q_norm", "k_norm"):   # OLMoE: [H*D], [K*D]
+        return w.reshape(c.num_heads if name == "q_norm" else c.num_kv_heads, d)
     return w
 
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # The sparse mixture-of-experts families (models/moe.py): every decoder layer's MLP is a routed
 # set of experts.
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,10 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
     norm_topk_prob: bool = False             # renormalise the top-k gates to sum to 1
     attention_bias: bool = False             # q/k/v projections carry biases (Qwen2)
-    qk_norm: bool = False                    # per-head RMSNorm of q and k before RoPE (Qwen3)
+    qk_norm: bool = False                    # RMSNorm of q and k before RoPE (Qwen3, OLMoE)
+    # ... over what: "head" each head's D (Qwen3), "all" every head's features at once (OLMoE:
+    # its norm weights are [H*D] and [K*D]; a layout must not split the heads, see rules.py)
+    qk_norm_span: str = "head"
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +87,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.quantization must be None or 'int8', got "
                              f"{self.quantization!r}")
         self._check_moe()
+        if self.qk_norm_span not in ("head", "all"):
+            raise ValueError(f"ModelConfig.qk_norm_span must be 'head' or 'all', got "
+                             f"{self.qk_norm_span!r}")
         if self.rope_freq_factors is not None:
             factors = self.rope_freq_factors
             if len(factors) != self.head_dim // 2:
@@ -178,8 +184,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: str = "float32") -> "ModelConfig":
-        """From a Hugging Face `config.json` of a Llama, Mistral, Mixtral, Qwen2-MoE or
-        Qwen3-MoE model."""
+        """From a Hugging Face `config.json` of a Llama, Mistral, Mixtral, Qwen2-MoE,
+        Qwen3-MoE or OLMoE model."""
         model_type = hf.get("model_type", "")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
@@ -227,6 +233,19 @@ def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         return dict(num_experts=hf["num_local_experts"],
                     num_experts_per_tok=hf["num_experts_per_tok"],
                     moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+    if kind == "olmoe":
+        if hf.get("clip_qkv") is not None:
+            raise ValueError(f"olmoe: clip_qkv={hf['clip_qkv']} is not supported")
+        heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+        if hf.get("head_dim") not in (None, hidden // heads):
+            raise ValueError(f"olmoe: head_dim={hf['head_dim']} must be hidden_size / "
+                             f"num_attention_heads = {hidden // heads} (its q norm spans "
+                             f"hidden_size)")
+        return dict(num_experts=hf["num_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["intermediate_size"],
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True,
+                    qk_norm_span="all")
     step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
     if step != 1 or dense:
         raise ValueError(f"{kind}: decoder_sparse_step={step}, mlp_only_layers={dense}: "

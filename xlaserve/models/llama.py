@@ -111,7 +111,10 @@ def param_axes(config: ModelConfig) -> Params:
     if config.attention_bias:
         layers.update(bq=("layers", "heads", "head_dim"), bk=("layers", "kv_heads", "head_dim"),
                       bv=("layers", "kv_heads", "head_dim"))
-    if config.qk_norm:
+    if config.qk_norm and config.qk_norm_span == "all":   # OLMoE: over all heads at once
+        layers.update(q_norm=("layers", "heads", "head_dim"),
+                      k_norm=("layers", "kv_heads", "head_dim"))
+    elif config.qk_norm:
         layers.update(q_norm=("layers", "head_dim"), k_norm=("layers", "head_dim"))
     if config.is_moe:
         layers.update(moe_param_axes(config))
@@ -135,7 +138,9 @@ def param_shapes(config: ModelConfig) -> Params:
                       "wv": (L, E, K, D), "wo": (L, H, D, E), "mlp_norm": (L, E)}
     if c.attention_bias:
         layers.update(bq=(L, H, D), bk=(L, K, D), bv=(L, K, D))
-    if c.qk_norm:
+    if c.qk_norm and c.qk_norm_span == "all":
+        layers.update(q_norm=(L, H, D), k_norm=(L, K, D))
+    elif c.qk_norm:
         layers.update(q_norm=(L, D), k_norm=(L, D))
     if c.is_moe:
         layers.update(moe_param_shapes(c))
@@ -170,6 +175,16 @@ def init_params(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> Para
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rms_norm_heads(x: jax.Array,        # [T, heads, D]
+                   weight: jax.Array,   # [heads, D]
+                   eps: float) -> jax.Array:
+    """RMSNorm over every head's features of a token together (OLMoE's q/k norm): the heads
+    must all be on this device (rules.py refuses to split them)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=(-2, -1), keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
 
 
@@ -271,7 +286,10 @@ def decoder_layers(
         if c.attention_bias:   # Qwen2: [H or K, D] per layer, this shard's heads
             q, k, v = (a + layers[b][i].reshape(-1) for a, b in zip((q, k, v), ("bq", "bk", "bv")))
         q, k = q.reshape(t, heads, d), k.reshape(t, kvh, d)
-        if c.qk_norm:          # Qwen3: RMSNorm over each head's D before RoPE
+        if c.qk_norm and c.qk_norm_span == "all":   # OLMoE: over [H, D] / [K, D] at once
+            q = rms_norm_heads(q, layers["q_norm"][i], c.rms_norm_eps)
+            k = rms_norm_heads(k, layers["k_norm"][i], c.rms_norm_eps)
+        elif c.qk_norm:        # Qwen3: RMSNorm over each head's D before RoPE
             q = rms_norm(q, layers["q_norm"][i], c.rms_norm_eps)
             k = rms_norm(k, layers["k_norm"][i], c.rms_norm_eps)
         q = apply_rope(q, positions, inv_freq)                            # [T, H, D]

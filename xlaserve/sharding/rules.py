@@ -57,6 +57,9 @@ def model_rules(model: ModelConfig, mesh: MeshConfig) -> dict[str, str | None]:
             problems.append(f"tensor={tp} does not divide {name}={size}")
     if model.num_layers % pp:
         problems.append(f"pipeline={pp} does not divide num_layers={model.num_layers}")
+    if tp > 1 and model.qk_norm and model.qk_norm_span == "all":
+        problems.append(f"tensor={tp}: {model.architecture}'s q/k norm spans every head, so "
+                        f"the heads cannot be split (use expert or pipeline parallelism)")
     if ep > 1 and not model.is_moe:
         problems.append(f"expert={ep} needs a mixture-of-experts model, and "
                         f"{model.architecture!r} has a dense MLP")

@@ -31,6 +31,8 @@ MODELS = {
     "qwen2-moe": ModelConfig(**BASE, architecture="qwen2_moe", num_experts=8,
                              num_experts_per_tok=2, moe_intermediate_size=32,
                              shared_expert_intermediate_size=64, attention_bias=True),
+    "olmoe": ModelConfig(**BASE, architecture="olmoe", num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=32, qk_norm=True, qk_norm_span="all"),
 }
 
 
