@@ -32,7 +32,7 @@ _QWEN = {"mlp.gate": "ffn_gate_inp", "gate_proj": "ffn_gate_exps", "up_proj": "f
          "mlp.shared_expert.down_proj": "ffn_down_shexp",
          "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
 
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -42,7 +42,7 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_moe_gguf(hf, path: Path) -> None:
-    """`hf` (a transformers Mixtral or Qwen2/3-MoE) as llama.cpp's converter writes it (F32),
+    """`hf` (a transformers Mixtral, Qwen2/3-MoE or OLMoE) as llama.cpp's converter writes it (F32),
     from the checkpoint save_pretrained writes (per-expert tensors, HF names)."""
     import gguf
     from safetensors.numpy import load_file
@@ -66,8 +66,8 @@ def write_moe_gguf(hf, path: Path) -> None:
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_expert_count(c.num_local_experts if mixtral else c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
-    if not mixtral:
-        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if not mixtral:   # OLMoE's experts are intermediate_size wide
+        w.add_expert_feed_forward_length(getattr(c, "moe_intermediate_size", c.intermediate_size))
         if arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     w.add_tokenizer_model("gpt2")
@@ -106,7 +106,7 @@ def w_count(c) -> int:
     return c.num_local_experts if c.model_type == "mixtral" else c.num_experts
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe-shared", "qwen3-moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe-shared", "qwen3-moe", "olmoe"])
 def test_moe_gguf_matches_transformers(name: str, tmp_path: Path) -> None:
     hf = hf_moe_model(MOE_VARIANTS[name])
     path = tmp_path / f"{name}.gguf"
@@ -116,9 +116,10 @@ def test_moe_gguf_matches_transformers(name: str, tmp_path: Path) -> None:
     c = model.config
     assert c.is_moe and c.num_experts == w_count(hf.config)
     assert c.architecture == hf.config.model_type
-    assert c.norm_topk_prob == (name != "qwen2-moe-shared")
+    assert c.norm_topk_prob == MOE_VARIANTS[name].get("norm_topk_prob", True)
     assert c.shared_expert_intermediate_size == (80 if name == "qwen2-moe-shared" else 0)
-    assert c.qk_norm == (name == "qwen3-moe")
+    assert c.qk_norm == (name in ("qwen3-moe", "olmoe"))
+    assert c.qk_norm_span == ("all" if name == "olmoe" else "head")
     ids = np.random.default_rng(4).integers(0, 256, size=60).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()

@@ -5,7 +5,8 @@ interleaves the two rotary halves of each head, `llama` architecture only) is un
 HF "rotate half" RoPE applies.
 
 Mixture-of-experts files: llama.cpp writes Mixtral as `llama` with `llama.expert_count`, and
-Qwen2-MoE / Qwen3-MoE as `qwen2moe` / `qwen3moe`.  Each layer's experts are one stacked tensor
+Qwen2-MoE / Qwen3-MoE / OLMoE as `qwen2moe` / `qwen3moe` / `olmoe` (whose `attn_q_norm` /
+`attn_k_norm` span every head: [H*D], [K*D]).  Each layer's experts are one stacked tensor
 per matrix (`ffn_gate_exps`, `ffn_up_exps` [X, F, E], `ffn_down_exps` [X, E, F] as numpy
 shapes), the router `ffn_gate_inp` [X, E], Qwen2-MoE's shared expert `ffn_*_shexp` and its gate
 `ffn_gate_inp_shexp` [E]; expert j of a stacked tensor is served under its HF per-expert name.
@@ -25,7 +26,7 @@ from xlaserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeSca
 
 # llama.cpp architecture -> ours (a `llama` file with experts is Mixtral, see read_gguf).
 _GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2moe": "qwen2_moe",
-                       "qwen3moe": "qwen3_moe"}
+                       "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 # MoE tensors: llama.cpp kind -> our parameter name (its HF name from checkpoints/layout.py).
 _GGUF_MOE = {"ffn_gate_inp": "router", "ffn_gate_exps": "we_gate", "ffn_up_exps": "we_up",
              "ffn_down_exps": "we_down", "ffn_gate_shexp": "ws_gate", "ffn_up_shexp": "ws_up",
@@ -233,13 +234,17 @@ def _moe_config(reader: Any, arch: str, by_name: dict[str, Any]) -> dict[str, An
     norm = _field(reader, f"{arch}.expert_weights_norm")
     out = dict(architecture=ours, num_experts=count, num_experts_per_tok=used,
                moe_intermediate_size=int(ffn),
-               norm_topk_prob=bool(norm) if norm is not None else ours != "qwen2_moe")
+               norm_topk_prob=bool(norm) if norm is not None
+               else ours not in ("qwen2_moe", "olmoe"))
     if ours == "qwen2_moe":
         out.update(shared_expert_intermediate_size=int(
             _field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0),
             attention_bias="blk.0.attn_q.bias" in by_name)
     elif ours == "qwen3_moe":
         out.update(qk_norm=True, attention_bias="blk.0.attn_q.bias" in by_name)
+    elif ours == "olmoe":   # attn_q_norm / attn_k_norm over all heads: [H*D], [K*D]
+        out.update(qk_norm=True, qk_norm_span="all",
+                   attention_bias="blk.0.attn_q.bias" in by_name)
     return out
 
 
