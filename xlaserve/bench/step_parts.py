@@ -94,10 +94,11 @@ def part_times(runner: ModelRunner, rows: Sequence[RowInput], repeats: int) -> d
     sampler = runner._compiled_sample[r]
     packed_rows, _, _ = runner._put(*host.packed())
     bias, allowed = runner._zeros_bias(r), runner._all_allowed(r)
+    draft_q = runner._zeros_bias(r)   # the drafts' distributions: unread, no row has a draft
 
     def sample() -> Any:
         runner.token_slots, out = sampler(logits, runner.token_slots, packed_rows, bias,
-                                          allowed)
+                                          allowed, draft_q)
         return out.tokens
 
     def lay_out() -> None:
