@@ -101,3 +101,15 @@ def request(rid: str, ids: list[int], **sampling) -> GenerationRequest:
 
     sampling.setdefault("temperature", 0.0)
     return GenerationRequest(rid, list(ids), SamplingParams(**sampling))
+
+
+def step_until_verifying(engine: LLMEngine, rid: str, max_steps: int = 40) -> None:
+    """Step (checking the scheduler's integrity each time) until the step in flight holds a
+    verify row of `rid`: the moment to abort it mid-verification."""
+    for _ in range(max_steps):
+        engine.step()
+        engine.scheduler.check_integrity()
+        in_flight = engine.scheduler.in_flight
+        if in_flight and any(r.request_id == rid and r.num_draft for r in in_flight[-1].rows):
+            return
+    pytest.fail(f"request {rid} never had a verify row in flight")

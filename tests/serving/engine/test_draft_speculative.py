@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.serving.engine.conftest import ENGINE_CONFIG, new_engine, request
+from tests.serving.engine.conftest import ENGINE_CONFIG, new_engine, request, step_until_verifying
 from tests.serving.engine.test_speculative import check_same, lookup_prompt, run, workload
 from xlaserve.serving.engine import LLMEngine
 from xlaserve.serving.engine.draft_model import make_draft_runner
@@ -67,14 +67,7 @@ def test_abort_mid_verification_frees_both_caches(warm_engine, smollm2, corpus_i
                        ignore_eos=True))
     engine.add(request("b", lookup_prompt(corpus_ids, rng, 100), max_tokens=30,
                        ignore_eos=True))
-    for _ in range(40):
-        engine.step()
-        engine.scheduler.check_integrity()
-        in_flight = engine.scheduler.in_flight
-        if in_flight and any(r.request_id == "a" and r.num_draft for r in in_flight[-1].rows):
-            break
-    else:
-        pytest.fail("request a never had a verify row in flight")
+    step_until_verifying(engine, "a")
     state = engine.scheduler.request_state("a")
     assert engine.scheduler.kv_cache.num_tokens("a") > state.num_computed_tokens  # drafts
     assert progress.computed("a") > state.num_computed_tokens   # the draft ran ahead

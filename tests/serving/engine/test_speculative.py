@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.serving.engine.conftest import new_engine, prompt, request
+from tests.serving.engine.conftest import new_engine, prompt, request, step_until_verifying
 from xlaserve.serving.engine import LLMEngine
 from xlaserve.serving.runner.compile_counter import CompileCounter
 from xlaserve.serving.speculative import SpeculativeConfig
@@ -106,14 +106,7 @@ def test_abort_mid_verification_frees_every_block(warm_engine, smollm2, corpus_i
                        ignore_eos=True))
     engine.add(request("b", lookup_prompt(corpus_ids, rng, 100), max_tokens=30,
                        ignore_eos=True))
-    for _ in range(40):
-        engine.step()
-        engine.scheduler.check_integrity()
-        in_flight = engine.scheduler.in_flight
-        if in_flight and any(r.request_id == "a" and r.num_draft for r in in_flight[-1].rows):
-            break
-    else:
-        pytest.fail("request a never had a verify row in flight")
+    step_until_verifying(engine, "a")
     held = engine.scheduler.kv_cache.num_tokens("a")
     assert held > engine.scheduler.request_state("a").num_computed_tokens   # draft slots
     assert engine.abort("a")
