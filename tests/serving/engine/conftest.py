@@ -113,3 +113,19 @@ def step_until_verifying(engine: LLMEngine, rid: str, max_steps: int = 40) -> No
         if in_flight and any(r.request_id == rid and r.num_draft for r in in_flight[-1].rows):
             return
     pytest.fail(f"request {rid} never had a verify row in flight")
+
+
+def run_joining(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 12
+                ) -> tuple[dict[str, list[EngineEvent]], int]:
+    """Requests r0.. of `prompts`: the first three start, the rest join while those decode;
+    each request's events and the number of compilations meanwhile."""
+    from xlaserve.serving.runner.compile_counter import CompileCounter
+
+    with CompileCounter() as compiles:
+        for i, ids in enumerate(prompts[:3]):
+            engine.add(request(f"r{i}", ids, max_tokens=max_tokens, ignore_eos=True))
+        engine.step()
+        for i, ids in enumerate(prompts[3:], start=3):
+            engine.add(request(f"r{i}", ids, max_tokens=max_tokens, ignore_eos=True))
+        out = collect(engine)
+    return out, compiles.count

@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.serving.engine.conftest import TINY_ENGINE_CONFIG, collect, request, tokens_of
+from tests.serving.engine.conftest import TINY_ENGINE_CONFIG, run_joining, tokens_of
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import init_params
 from xlaserve.serving.engine import LLMEngine
 from xlaserve.serving.generate import SamplingOptions, SequenceGenerator
-from xlaserve.serving.runner.compile_counter import CompileCounter
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.sharding.mesh import make_mesh
 
@@ -30,14 +29,8 @@ def test_int8_engine_compiles_nothing_after_warmup_and_matches_alone(model_dir,
     engine.runner.warmup()
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, 49152, n)) for n in (5, 21, 40, 9, 33, 2)]
-    with CompileCounter() as compiles:
-        for i, ids in enumerate(prompts[:3]):
-            engine.add(request(f"r{i}", ids, max_tokens=12, ignore_eos=True))
-        engine.step()
-        for i, ids in enumerate(prompts[3:], start=3):   # join while the first ones decode
-            engine.add(request(f"r{i}", ids, max_tokens=12, ignore_eos=True))
-        out = collect(engine)
-    assert compiles.count == 0, f"{compiles.count} compilations after warm-up"
+    out, compiled = run_joining(engine, prompts)
+    assert compiled == 0, f"{compiled} compilations after warm-up"
     alone = SequenceGenerator(engine.runner.params, INT8, max_len=64,
                               attention_backend=engine.runner.backend, kv_dtype=config.kv_dtype)
     for i, ids in enumerate(prompts):

@@ -13,13 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.serving.engine.conftest import TINY_ENGINE_CONFIG, collect, request, tokens_of
+from tests.serving.engine.conftest import TINY_ENGINE_CONFIG, run_joining, tokens_of
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import init_params
 from xlaserve.models.moe import route
 from xlaserve.serving.engine import LLMEngine
 from xlaserve.serving.generate import SamplingOptions, SequenceGenerator
-from xlaserve.serving.runner.compile_counter import CompileCounter
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.sharding.mesh import make_mesh
 
@@ -65,14 +64,8 @@ def test_moe_engine_matches_alone_and_compiles_nothing(model_dir, name: str,
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, 49152, n)) for n in (5, 21, 40, 9, 33, 2)]
     prompts[4] = [977] * 33   # one row whose prompt tokens all route alike
-    with CompileCounter() as compiles:
-        for i, ids in enumerate(prompts[:3]):
-            engine.add(request(f"r{i}", ids, max_tokens=12, ignore_eos=True))
-        engine.step()
-        for i, ids in enumerate(prompts[3:], start=3):   # join while the first ones decode
-            engine.add(request(f"r{i}", ids, max_tokens=12, ignore_eos=True))
-        out = collect(engine)
-    assert compiles.count == 0, f"{compiles.count} compilations after warm-up"
+    out, compiled = run_joining(engine, prompts)
+    assert compiled == 0, f"{compiled} compilations after warm-up"
     alone = SequenceGenerator(engine.runner.params, config, max_len=64,
                               attention_backend=engine.runner.backend)
     outputs = []
