@@ -20,7 +20,8 @@ from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
 
 from xlaserve.serving.http import schemas
-from xlaserve.serving.http.schemas import ChatCompletionRequest, CommonRequest, CompletionRequest
+from xlaserve.serving.http.schemas import (ChatCompletionRequest, CommonRequest,
+                                           CompletionRequest, encodes)
 from xlaserve.serving.structured.constraint import Constraint
 
 if TYPE_CHECKING:
@@ -129,14 +130,6 @@ def _show(value: Any) -> str:
         return type(value).__name__
 
 
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _param(loc: tuple[int | str, ...]) -> str:
     """('messages', 0, 'content') -> 'messages[0].content'."""
     out = ""
@@ -214,7 +207,7 @@ def parse(kind: str, body: dict[str, Any], max_n: int) -> ParsedRequest:
 
     model = schemas.REQUESTS[kind]
     for k in body:   # a key with no UTF-8 form (a lone surrogate) names no field we know
-        if not _encodes(k):
+        if not encodes(k):
             raise ApiError(400, f"Unrecognized request argument supplied: {k}", k,
                            "unrecognized_argument")
     try:

@@ -39,12 +39,18 @@ def _integral(v: Any) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
-def _utf8(v: str) -> str:
+def encodes(text: str) -> bool:
+    """Has `text` a UTF-8 form (JSON's \\ud800 escapes give lone surrogates, which have none)?"""
     try:
-        v.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
-        raise PydanticCustomError("invalid_text", "not valid UTF-8 text (lone surrogate)"
-                                  ) from None
+        return False
+    return True
+
+
+def _utf8(v: str) -> str:
+    if not encodes(v):
+        raise PydanticCustomError("invalid_text", "not valid UTF-8 text (lone surrogate)")
     return v
 
 
