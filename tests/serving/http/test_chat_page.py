@@ -90,12 +90,17 @@ def test_chat_page_streams_an_answer_and_explains_errors(make_server, tokenizer,
         browser.get(srv.url + "/")
         wait_until(lambda: browser.execute_script(
             "return document.getElementById('model').value") == "fake")
+        sent = time.monotonic()
         say(browser, message)
-        seen = []          # the assistant bubble's text at every poll, as it streams in
+        seen = []          # (seconds since sent, the assistant bubble's text) at every poll
         def done() -> bool:
-            seen.append((text_of(browser, "#log .assistant") or [""])[0])
-            return seen[-1] == answer
+            seen.append((time.monotonic() - sent,
+                         (text_of(browser, "#log .assistant") or [""])[0]))
+            return seen[-1][1] == answer
         wait_until(done, 15)
+        first_seen = next(t for t, text in seen if text)
+        all_seen = seen[-1][0]
+        seen = [text for _, text in seen]
         partial = {t for t in seen if t and t != answer}
         assert partial and all(answer.startswith(t) for t in partial), seen
         assert text_of(browser, "#log .user") == [message]
@@ -104,8 +109,11 @@ def test_chat_page_streams_an_answer_and_explains_errors(make_server, tokenizer,
         assert "model fake" in stats and "TTFT" in stats and f"{tokens} tokens" in stats, stats
         ttft_ms = float(stats.split("TTFT ")[1].split(" ms")[0])
         rate = float(stats.split(" tokens/s")[0].rsplit(" ", 1)[1])
-        assert TOKEN_DELAY * 1e3 <= ttft_ms < TOKEN_DELAY * 1e3 + 1500, stats
-        assert 0.3 / TOKEN_DELAY < rate <= 1.2 / TOKEN_DELAY, stats   # ~1 token per delay
+        # The page's own clock against the test's: no figure of a loaded machine is asserted,
+        # only that the page's TTFT lies between the engine's first delay and the moment the
+        # test saw the first text, and its rate between the engine's and the test's whole wait.
+        assert TOKEN_DELAY * 1e3 <= ttft_ms <= first_seen * 1e3, (stats, first_seen)
+        assert (tokens - 1) / all_seen <= rate <= 1.2 / TOKEN_DELAY, stats
 
         engine.ready = False               # the server's error, said plainly
         say(browser, "Are you there?")
