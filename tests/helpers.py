@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.models.batch_metadata import one_row_metadata
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import (AttentionMetadata, Params, forward, init_kv_cache,
-                                   one_row_metadata)
+from xlaserve.models.llama import AttentionMetadata, Params, forward, init_kv_cache
 
 
 def full_logits(params: Params, config: ModelConfig, ids: list[int], block_size: int = 16,

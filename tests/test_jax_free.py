@@ -12,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST_ONLY = ["tests/serving/scheduler", "tests/serving/kv_cache", "tests/serving/admission",
-             "tests/serving/router", "tests/serving/speculative"]
+             "tests/serving/router", "tests/serving/speculative",
+             "tests/serving/runner/test_host_step.py"]
 
 NO_JAX = '''import sys
 

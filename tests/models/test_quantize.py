@@ -13,13 +13,13 @@ from xlaserve.checkpoints.errors import CheckpointError
 from xlaserve.checkpoints.store import load_config, load_params, save_params
 from xlaserve.kernels.cpu import build
 from xlaserve.kernels.quantized import dequantize
+from xlaserve.models.batch_metadata import one_row_metadata
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import (
     AttentionMetadata,
     forward,
     init_kv_cache,
     init_params,
-    one_row_metadata,
     pack_params,
     param_axes,
     param_shapes,

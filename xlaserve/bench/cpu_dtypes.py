@@ -19,6 +19,7 @@ import numpy as np
 
 from xlaserve.checkpoints.store import load_config
 from xlaserve.models import llama
+from xlaserve.models.batch_metadata import decode_metadata
 
 
 def step_ms(config, kv_dtype: str, rows: int, width: int = 48, kv_len: int = 512,
@@ -36,7 +37,7 @@ def step_ms(config, kv_dtype: str, rows: int, width: int = 48, kv_len: int = 512
     tables = 1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width)
     pos = np.full(rows, kv_len - 1, np.int32)
     meta = llama.AttentionMetadata(*(jnp.asarray(a) for a in
-                                     llama.decode_metadata(tables, pos, block_size)))
+                                     decode_metadata(tables, pos, block_size)))
     tokens = jnp.ones(rows, jnp.int32)
     times = []
     for i in range(repeats + 1):

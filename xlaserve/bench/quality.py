@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.models.batch_metadata import one_row_metadata
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import (
     KVCache,
     Params,
     forward,
     init_kv_cache,
-    one_row_metadata,
     pack_params,
 )
 from xlaserve.serving.loading import LoadedModel, load_model

@@ -75,29 +75,6 @@ class AttentionMetadata(NamedTuple):
     slot_mapping: jax.Array  # [T] int32 block_id * block_size + offset
 
 
-def one_row_metadata(block_table: np.ndarray, start: int, num_tokens: int, pad_to: int,
-                     block_size: int) -> tuple[np.ndarray, AttentionMetadata]:
-    """positions [pad_to] and the metadata of a batch holding one row: `num_tokens` tokens
-    from position `start` over `block_table` [W], then padding (numpy arrays)."""
-    table = np.asarray(block_table, np.int32)
-    pos = start + np.arange(pad_to, dtype=np.int32)
-    real = np.arange(pad_to) < num_tokens
-    slots = np.where(real, table[np.minimum(pos // block_size, len(table) - 1)] * block_size
-                     + pos % block_size, 0).astype(np.int32)
-    rows = np.where(real, 0, -1).astype(np.int32)
-    return np.where(real, pos, 0).astype(np.int32), AttentionMetadata(table[None], rows, slots)
-
-
-def decode_metadata(block_tables: np.ndarray, positions: np.ndarray,
-                    block_size: int) -> AttentionMetadata:
-    """The metadata of a decode batch: row r feeds one token, at positions[r] (numpy)."""
-    tables = np.asarray(block_tables, np.int32)
-    pos = np.asarray(positions, np.int32)
-    rows = np.arange(len(pos), dtype=np.int32)
-    slots = tables[rows, pos // block_size] * block_size + pos % block_size
-    return AttentionMetadata(tables, rows, slots.astype(np.int32))
-
-
 # Logical axis names of every parameter (see sharding/rules.py).
 def param_axes(config: ModelConfig) -> Params:
     layers: Params = {
@@ -282,22 +259,11 @@ def decoder_layers(
                                                                       None]:
         x, k_flat, v_flat = carry
         h = rms_norm(x, layers["attn_norm"][i], c.rms_norm_eps)
-        q, k, v = layer_matmul(h, (wq, wk, wv), i, use_kernel=use_kernel)
-        if c.attention_bias:   # Qwen2: [H or K, D] per layer, this shard's heads
-            q, k, v = (a + layers[b][i].reshape(-1) for a, b in zip((q, k, v), ("bq", "bk", "bv")))
-        q, k = q.reshape(t, heads, d), k.reshape(t, kvh, d)
-        if c.qk_norm and c.qk_norm_span == "all":   # OLMoE: over [H, D] / [K, D] at once
-            q = rms_norm_heads(q, layers["q_norm"][i], c.rms_norm_eps)
-            k = rms_norm_heads(k, layers["k_norm"][i], c.rms_norm_eps)
-        elif c.qk_norm:        # Qwen3: RMSNorm over each head's D before RoPE
-            q = rms_norm(q, layers["q_norm"][i], c.rms_norm_eps)
-            k = rms_norm(k, layers["k_norm"][i], c.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq)                            # [T, H, D]
-        k = apply_rope(k, positions, inv_freq)                            # [T, K, D]
+        q, k, v = _queries_keys_values(c, layers, (wq, wk, wv), i, h, positions, inv_freq,
+                                       (heads, kvh, d), use_kernel)
         dest = i * per_layer + meta.slot_mapping                          # [T]
         k_flat = k_flat.at[dest].set(to_cache_rows(k, k_flat.dtype), mode="drop")
-        v_flat = v_flat.at[dest].set(to_cache_rows(v.reshape(t, kvh, d), v_flat.dtype),
-                                     mode="drop")
+        v_flat = v_flat.at[dest].set(to_cache_rows(v, v_flat.dtype), mode="drop")
         attn = attend(q, k_flat, v_flat, i, meta.token_rows, positions, meta.block_tables,
                       num_blocks=geometry.num_blocks, block_size=geometry.block_size,
                       scale=d ** -0.5, sliding_window=c.sliding_window,
@@ -322,6 +288,29 @@ def decoder_layers(
     (x, k_flat, v_flat), _ = jax.lax.scan(layer_step, (x, k_flat, v_flat),
                                           jnp.arange(num_layers, dtype=jnp.int32))
     return x, k_flat, v_flat
+
+
+def _queries_keys_values(c: ModelConfig, layers: Params, w_qkv: tuple[jax.Array, ...],
+                         i: jax.Array, h: jax.Array, positions: jax.Array,
+                         inv_freq: jax.Array, dims: tuple[int, int, int], use_kernel: bool,
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Layer i's q [T, H, D], k [T, K, D] (normed where the family norms them, then RoPE) and
+    v [T, K, D] from the normed input h [T, E]; dims = (H, K, D) of this shard."""
+    heads, kvh, d = dims
+    t = h.shape[0]
+    q, k, v = layer_matmul(h, w_qkv, i, use_kernel=use_kernel)
+    if c.attention_bias:   # Qwen2: [H or K, D] per layer, this shard's heads
+        q, k, v = (a + layers[b][i].reshape(-1) for a, b in zip((q, k, v), ("bq", "bk", "bv")))
+    q, k = q.reshape(t, heads, d), k.reshape(t, kvh, d)
+    if c.qk_norm and c.qk_norm_span == "all":   # OLMoE: over [H, D] / [K, D] at once
+        q = rms_norm_heads(q, layers["q_norm"][i], c.rms_norm_eps)
+        k = rms_norm_heads(k, layers["k_norm"][i], c.rms_norm_eps)
+    elif c.qk_norm:        # Qwen3: RMSNorm over each head's D before RoPE
+        q = rms_norm(q, layers["q_norm"][i], c.rms_norm_eps)
+        k = rms_norm(k, layers["k_norm"][i], c.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)                            # [T, H, D]
+    k = apply_rope(k, positions, inv_freq)                            # [T, K, D]
+    return q, k, v.reshape(t, kvh, d)
 
 
 def attention_backend_uses_kernels(backend: str) -> bool:

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.models.batch_metadata import one_row_metadata
 from xlaserve.models.config import ModelConfig
-from xlaserve.models.llama import (AttentionMetadata, KVCache, Params, forward, init_kv_cache,
-                                   one_row_metadata)
+from xlaserve.models.llama import AttentionMetadata, KVCache, Params, forward, init_kv_cache
 
 
 @dataclass(frozen=True)

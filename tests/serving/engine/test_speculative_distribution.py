@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from scipy.stats import chi2
 
+from xlaserve.models.batch_metadata import one_row_metadata
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import (
     AttentionMetadata,
     forward,
     init_kv_cache,
     init_params,
-    one_row_metadata,
 )
 from xlaserve.serving.engine import EngineConfig, LLMEngine
 from xlaserve.serving.speculative import SpeculativeConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.serving.engine.conftest import new_tiny_engine, request
-from xlaserve.serving.engine.engine import StepClock
+from xlaserve.serving.engine.step_clock import StepClock
 
 BUCKET = (4, 4, 8)
 

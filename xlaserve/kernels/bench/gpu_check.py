@@ -278,11 +278,10 @@ def model_decode(label: str, batches: list[int], context: int, backends: list[st
 
     import jax
     import jax.numpy as jnp
-
     import numpy as np
 
-    from xlaserve.models.llama import (AttentionMetadata, decode_metadata, forward,
-                                       init_kv_cache, init_params)
+    from xlaserve.models.batch_metadata import decode_metadata
+    from xlaserve.models.llama import AttentionMetadata, forward, init_kv_cache, init_params
 
     params = jax.tree_util.tree_map(jnp.asarray, init_params(config, seed=0))
     bs = 16

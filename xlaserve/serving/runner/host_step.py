@@ -6,9 +6,12 @@ other processes (step_channel.py) and every process launches an identical call."
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from xlaserve.serving.runner.row_input import RowInput
 
 
 class HostStep(NamedTuple):
@@ -97,3 +100,69 @@ ROW_FIELDS = ("logits_index", "row_slot", "sample_mask", "temperature", "top_k",
 TOKEN_FIELDS = ("tokens", "positions", "token_rows", "slot_mapping")
 
 
+def lay_out(rows: Sequence[RowInput], bucket: tuple[int, int, int], block_size: int,
+            vocab: int) -> HostStep:
+    """`rows` as one flat batch padded to `bucket` (rows R, tokens T, width W): row i's tokens
+    follow row i-1's, then padding (token_rows -1, slot 0: the null block); sample rows as
+    `sample_rows` orders them.  (A loop over rows: ~0.1 ms for 32 decode rows, which measured
+    faster than a vectorised form at serving row counts.)"""
+    r, t, w = bucket
+    bs = block_size
+    tokens = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    token_rows = np.full(t, -1, np.int32)
+    slots = np.zeros(t, np.int32)               # padding tokens write the null block
+    tables = np.zeros((r, w), np.int32)
+    logits_index = np.zeros(r, np.int32)
+    row_slot = np.zeros(r, np.int32)
+    sample_mask = np.zeros(r, np.bool_)
+    temperature = np.zeros(r, np.float32)
+    top_k = np.zeros(r, np.int32)
+    top_p = np.ones(r, np.float32)
+    min_p = np.zeros(r, np.float32)
+    seed = np.zeros(r, np.uint32)
+    counter = np.zeros(r, np.int32)
+    logprobs = np.zeros(r, np.bool_)
+    draft_token = np.full(r, -1, np.int32)
+    bias: np.ndarray | None = None
+    draft_probs: np.ndarray | None = None
+    at = 0
+    order = sample_rows([row.seq.num_draft for row in rows])
+    for i, (row, where) in enumerate(zip(rows, order)):
+        seq = row.seq
+        k = seq.num_tokens
+        if k < 1:
+            raise ValueError(f"row {i} feeds no tokens")
+        if len(seq.block_table) * bs < seq.end_position:
+            raise ValueError(f"row {i}: block table of {len(seq.block_table)} blocks cannot "
+                             f"hold position {seq.end_position - 1}")
+        tokens[at:at + k] = seq.token_ids
+        positions[at:at + k] = np.arange(seq.start_position, seq.end_position, dtype=np.int32)
+        token_rows[at:at + k] = i
+        slots[at:at + k] = seq.slot_mapping
+        tables[i, : len(seq.block_table)] = seq.block_table
+        s = row.sampling
+        # sample row where[j] samples after input token at + k - len(where) + j: the last
+        # token only, or a verify row's token and each of its drafts
+        for j, sr in enumerate(where):
+            logits_index[sr] = at + k - len(where) + j
+            temperature[sr], top_p[sr], min_p[sr] = s.temperature, s.top_p, s.min_p
+            top_k[sr] = 0 if s.top_k >= vocab else s.top_k   # keeps every token: off
+            seed[sr], counter[sr] = s.seed & 0xFFFFFFFF, s.counter + j
+            logprobs[sr] = s.logprobs
+            if s.bias is not None:
+                if bias is None:
+                    bias = np.zeros((r, vocab), np.float32)
+                bias[sr] = s.bias
+            if row.draft_probs is not None and j < seq.num_draft:   # q of draft j
+                if draft_probs is None:
+                    draft_probs = np.zeros((r, vocab), np.float32)
+                draft_probs[sr] = row.draft_probs[j]
+                draft_token[sr] = seq.token_ids[k - len(where) + j + 1]
+        at += k
+        # only the row's own sample row feeds its token slot (read by a later PENDING_TOKEN)
+        row_slot[i] = row.token_slot
+        sample_mask[i] = seq.sample
+    return HostStep(tokens, positions, token_rows, slots, tables, logits_index, row_slot,
+                    sample_mask, temperature, top_k, top_p, min_p, seed, counter, logprobs,
+                    draft_token, bias, draft_probs)

@@ -54,7 +54,13 @@ from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import KVCache, Params, pack_params
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.runner.call_profile import CallProfile
-from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS, HostStep, sample_rows
+from xlaserve.serving.runner.host_step import (
+    ROW_FIELDS,
+    TOKEN_FIELDS,
+    HostStep,
+    lay_out,
+    sample_rows,
+)
 from xlaserve.serving.runner.row_input import GREEDY, MaskSource, RowInput, RowSampling
 from xlaserve.serving.runner.sampling import SampleOutput
 from xlaserve.serving.runner.step_channel import Op, StepChannel
@@ -309,69 +315,12 @@ class ModelRunner:
 
     def host_step(self, rows: Sequence[RowInput]) -> HostStep:
         """Lay `rows` out as one flat batch padded to its bucket: the host arrays of one call."""
-        r, t, w = self.bucket(rows)
-        if (r, t, w) not in self._compiled:
+        shape = self.bucket(rows)
+        if shape not in self._compiled:
+            r, t, w = shape
             raise RuntimeError(f"bucket (rows={r}, tokens={t}, width={w}) was not compiled in "
                                f"warm-up; compiled: {len(self._compiled)} buckets")
-        bs, vocab = self.block_size, self.config.vocab_size
-        tokens = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        token_rows = np.full(t, -1, np.int32)
-        slots = np.zeros(t, np.int32)               # padding tokens write the null block
-        tables = np.zeros((r, w), np.int32)
-        logits_index = np.zeros(r, np.int32)
-        row_slot = np.zeros(r, np.int32)
-        sample_mask = np.zeros(r, np.bool_)
-        temperature = np.zeros(r, np.float32)
-        top_k = np.zeros(r, np.int32)
-        top_p = np.ones(r, np.float32)
-        min_p = np.zeros(r, np.float32)
-        seed = np.zeros(r, np.uint32)
-        counter = np.zeros(r, np.int32)
-        logprobs = np.zeros(r, np.bool_)
-        draft_token = np.full(r, -1, np.int32)
-        bias: np.ndarray | None = None
-        draft_probs: np.ndarray | None = None
-        at = 0
-        order = sample_rows([row.seq.num_draft for row in rows])
-        for i, (row, where) in enumerate(zip(rows, order)):
-            seq = row.seq
-            k = seq.num_tokens
-            if k < 1:
-                raise ValueError(f"row {i} feeds no tokens")
-            if len(seq.block_table) * bs < seq.end_position:
-                raise ValueError(f"row {i}: block table of {len(seq.block_table)} blocks cannot "
-                                 f"hold position {seq.end_position - 1}")
-            tokens[at:at + k] = seq.token_ids
-            positions[at:at + k] = np.arange(seq.start_position, seq.end_position, dtype=np.int32)
-            token_rows[at:at + k] = i
-            slots[at:at + k] = seq.slot_mapping
-            tables[i, : len(seq.block_table)] = seq.block_table
-            s = row.sampling
-            # sample row where[j] samples after input token at + k - len(where) + j: the last
-            # token only, or a verify row's token and each of its drafts
-            for j, sr in enumerate(where):
-                logits_index[sr] = at + k - len(where) + j
-                temperature[sr], top_p[sr], min_p[sr] = s.temperature, s.top_p, s.min_p
-                top_k[sr] = 0 if s.top_k >= vocab else s.top_k   # keeps every token: off
-                seed[sr], counter[sr] = s.seed & 0xFFFFFFFF, s.counter + j
-                logprobs[sr] = s.logprobs
-                if s.bias is not None:
-                    if bias is None:
-                        bias = np.zeros((r, self.config.vocab_size), np.float32)
-                    bias[sr] = s.bias
-                if row.draft_probs is not None and j < seq.num_draft:   # q of draft j
-                    if draft_probs is None:
-                        draft_probs = np.zeros((r, vocab), np.float32)
-                    draft_probs[sr] = row.draft_probs[j]
-                    draft_token[sr] = seq.token_ids[k - len(where) + j + 1]
-            at += k
-            # only the row's own sample row feeds its token slot (read by a later PENDING_TOKEN)
-            row_slot[i] = row.token_slot
-            sample_mask[i] = seq.sample
-        return HostStep(tokens, positions, token_rows, slots, tables, logits_index, row_slot,
-                        sample_mask, temperature, top_k, top_p, min_p, seed, counter, logprobs,
-                        draft_token, bias, draft_probs)
+        return lay_out(rows, shape, self.block_size, self.config.vocab_size)
 
     def _execute(self, host: HostStep, masks: MaskSource | None = None) -> SampleOutput:
         """Launch the compiled call for `host` (asynchronously); the runner's state advances.

@@ -56,7 +56,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as Sequence_
-from dataclasses import dataclass, field
 
 from xlaserve.serving.kv_cache import KVCacheManager
 from xlaserve.serving.scheduler.config import SchedulerConfig
@@ -66,8 +65,10 @@ from xlaserve.serving.scheduler.drafts import (
     settle_drafts,
 )
 from xlaserve.serving.scheduler.priority import priority_key, waiting_key
+from xlaserve.serving.scheduler.request_checks import check_request, check_samples
 from xlaserve.serving.scheduler.scheduler_stats import SchedulerStats
 from xlaserve.serving.scheduler.sequence import RequestState, Sequence, SequenceStatus
+from xlaserve.serving.scheduler.step_draft import StepDraft
 from xlaserve.serving.scheduler.step_plan import (
     PENDING_TOKEN,
     ScheduledSeq,
@@ -85,27 +86,6 @@ from xlaserve.serving.speculative.acceptance import accept_drafts
 from xlaserve.serving.types import GenerationRequest
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-
-
-@dataclass
-class _Draft:
-    """One step under construction: tokens per sequence, in scheduling order."""
-
-    budget: int
-    entries: dict[str, tuple[Sequence, int]] = field(default_factory=dict)
-    preempted: list[str] = field(default_factory=list)
-    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # verify rows' drafts
-
-    def add(self, seq: Sequence, n: int) -> None:
-        self.entries[seq.request_id] = (seq, n)
-        self.budget -= n
-
-    def drop(self, seq: Sequence) -> None:
-        """`seq` was preempted: give back what it was given this step."""
-        self.preempted.append(seq.request_id)
-        entry = self.entries.pop(seq.request_id, None)
-        if entry is not None:
-            self.budget += entry[1]
 
 
 class Scheduler:
@@ -137,26 +117,10 @@ class Scheduler:
 
     def add(self, request: GenerationRequest) -> None:
         """Queue a request; ValueError when it could never run."""
-        rid, prompt, cfg = request.request_id, request.prompt_token_ids, self.config
+        rid = request.request_id
         if rid in self._seqs or any(rid in plan.request_ids for plan in self._in_flight):
             raise ValueError(f"request_id {rid!r} is already in use")
-        if not prompt:
-            raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
-        if min(prompt) < 0:
-            raise ValueError(f"request {rid!r}: negative token id {min(prompt)} in the prompt")
-        if len(prompt) >= cfg.max_model_len:
-            raise ValueError(f"request {rid!r}: prompt has {len(prompt)} tokens, max_model_len="
-                             f"{cfg.max_model_len} leaves no room for output")
-        done = len(request.output_token_ids)
-        if done >= request.sampling.max_tokens or len(prompt) + done >= cfg.max_model_len:
-            raise ValueError(f"request {rid!r}: its {done} output_token_ids leave no room "
-                             f"for output (max_tokens={request.sampling.max_tokens})")
-        # The last sampled token never needs KV: at most max_len - 1 positions are computed.
-        max_len = min(len(prompt) + request.sampling.max_tokens, cfg.max_model_len)
-        need = self.kv_cache.blocks_needed(max_len - 1)
-        if need > cfg.num_usable_blocks:
-            raise ValueError(f"request {rid!r}: up to {max_len} tokens need {need} KV blocks of "
-                             f"{cfg.block_size}, the pool has {cfg.num_usable_blocks}")
+        check_request(request, self.config, self.kv_cache.blocks_needed)
         seq = Sequence.from_request(request, self._next_seq_no)
         self._next_seq_no += 1
         self._seqs[rid] = seq
@@ -200,7 +164,7 @@ class Scheduler:
         cfg = self.config
         for seq in self._running.values():
             self._cache_computed(seq)
-        draft = _Draft(cfg.max_num_batched_tokens)
+        draft = StepDraft(cfg.max_num_batched_tokens)
         order = sorted(self._running.values(),
                        key=lambda s: priority_key(s, now, cfg.aging_seconds))
         decodes = [s for s in order if s.num_remaining == 1]
@@ -237,17 +201,8 @@ class Scheduler:
             raise ValueError(f"update for step {plan.step_id}, expected step {expected}: "
                              "update each non-empty plan once, in order")
         rows = {r.request_id: r for r in plan.rows if r.sample}
-        extra = sorted(set(sampled) - set(rows))
         live = {rid: r for rid, r in rows.items() if rid in self._seqs}
-        missing = sorted(set(live) - set(sampled))
-        given = {rid: (v,) if isinstance(v, int) else tuple(v) for rid, v in sampled.items()}
-        negative = {rid: sampled[rid] for rid, t in given.items() if min(t, default=0) < 0}
-        shape = {rid: len(t) for rid, t in given.items()
-                 if rid in rows and len(t) != rows[rid].num_samples}
-        if extra or missing or negative or shape:
-            raise ValueError(f"step {plan.step_id}: samples for non-sampling rows {extra}, "
-                             f"missing for {missing}, negative {negative}, wrong count {shape} "
-                             "(a verify row samples 1 + its drafts)")
+        given = check_samples(plan, sampled, live)
         self._in_flight.popleft()
         out: dict[str, tuple[int, ...]] = {}
         for rid, row in live.items():
@@ -278,7 +233,7 @@ class Scheduler:
         for seq in self._seqs.values():
             del seq.all_token_ids[seq.num_known_tokens:]
 
-    def _reserve_or_preempt(self, seq: Sequence, n: int, draft: _Draft, now: float) -> int:
+    def _reserve_or_preempt(self, seq: Sequence, n: int, draft: StepDraft, now: float) -> int:
         """Reserve slots for up to n more tokens of running `seq` and return how many: a
         prefill chunk shrinks to the room the pool has; one with no room, or a decode,
         preempts the lowest-priority, latest running sequences until it fits (0 when `seq`
@@ -294,7 +249,7 @@ class Scheduler:
             if victim is seq:
                 return 0
 
-    def _admit(self, draft: _Draft, now: float) -> None:
+    def _admit(self, draft: StepDraft, now: float) -> None:
         cfg = self.config
         in_flight: set[bytes] | None = None  # built on first need
         for seq in sorted(self._waiting.values(),
@@ -334,7 +289,7 @@ class Scheduler:
         known = seq.all_token_ids[:seq.num_known_tokens]
         return self.kv_cache.unregistered_block_hashes(seq.request_id, known)
 
-    def _propose(self, draft: _Draft) -> None:
+    def _propose(self, draft: StepDraft) -> None:
         assert self.proposer is not None and self.speculative is not None
         entries = list(draft.entries.values())
         if isinstance(self.proposer, NgramProposer):
@@ -348,7 +303,7 @@ class Scheduler:
         draft.drafts.update(drafts)
         draft.budget -= sum(len(d) for d in drafts.values())
 
-    def _emit(self, draft: _Draft) -> StepPlan:
+    def _emit(self, draft: StepDraft) -> StepPlan:
         bs = self.config.block_size
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
