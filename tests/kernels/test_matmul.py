@@ -139,3 +139,48 @@ def test_residual_goes_into_the_matmul(m, k, n):
         layer_matmul(x, (w, w), jnp.int32(0), residual=r)
     with pytest.raises(ValueError, match=rf"residual must be \({m}, {n}\) float32"):
         layer_matmul(x, (w,), jnp.int32(0), residual=r[:, :1])
+
+
+@pytest.mark.parametrize("m,k,ns", [(1, 576, (576, 192, 192)), (3, 100, (37, 48)),
+                                    (16, 64, (200,)), (17, 70, (30, 31)), (130, 96, (576,)),
+                                    (40, 1536, (64,))])
+def test_the_pre_norm_goes_into_the_matmul(m, k, ns):
+    """norm=(g, eps): rms_norm(x, g[layer]) @ w in one call on packed panels, float32 and int8
+    (M on both sides of the kernel's 16-row norm items, K not a multiple of the vector width,
+    rows of very different scale); unpacked weights take rms_norm then the matmul."""
+    from xlaserve.kernels.matmul import pack_weight
+    from xlaserve.kernels.quantized import GROUP, QuantizedWeight, quantize_int8
+    from xlaserve.kernels.rms_norm import rms_norm
+
+    rng = np.random.default_rng(m * 31 + k)
+    x = jnp.asarray(rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 30.0], (m, 1)),
+                    jnp.float32)
+    g = jnp.asarray(rng.standard_normal((3, k)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((3, k, n)), jnp.float32) for n in ns]
+    forms = [[pack_weight(w) for w in ws], ws]
+    if k % GROUP == 0:   # int8 groups run along K
+        forms.append([pack_weight(QuantizedWeight(jnp.asarray(q["q"]), jnp.asarray(q["scale"])))
+                      for q in (quantize_int8(np.asarray(w), 1) for w in ws)])
+    for weights in forms:
+        for layer in (0, 2):
+            want = layer_matmul_reference(rms_norm(x, g[layer], 1e-5), weights, layer)
+            got = jax.jit(lambda x, g, *w: layer_matmul(x, w, jnp.int32(layer),
+                                                        norm=(g, 1e-5)))(x, g, *weights)
+            for a, b in zip(got, want):
+                assert a.shape == b.shape and rel_error(a, b) < 1e-5
+    with pytest.raises(ValueError, match=r"norm weights must be \[L, K=100\] float32, got "
+                                         r"\(3, 99\)"):
+        layer_matmul(jnp.zeros((1, 100)), (jnp.zeros((3, 100, 4)),), jnp.int32(0),
+                     norm=(jnp.zeros((3, 99)), 1e-5))
+
+
+def test_the_normed_call_replaces_xlas_norm_fusions():
+    """The compiled layer holds the kernel call and no reduction of its own for the norm."""
+    from xlaserve.kernels.matmul import pack_weight
+
+    x, g = jnp.ones((4, 64), jnp.float32), jnp.ones((2, 64), jnp.float32)
+    w = pack_weight(jnp.ones((2, 64, 96), jnp.float32))
+    hlo = jax.jit(lambda x, g, w: layer_matmul(x, (w,), jnp.int32(1), norm=(g, 1e-6))).lower(
+        x, g, w).compile().as_text()
+    assert "xlaserve_matmul_packed_normed" in hlo
+    assert "reduce" not in hlo and "rsqrt" not in hlo, hlo

@@ -38,9 +38,11 @@ def test_the_step_calls_the_native_kernels(hlo_by_bucket) -> None:
     for shape, hlo in hlo_by_bucket.items():
         targets = re.findall(r'custom_call_target="(\w+)"', hlo)
         assert targets.count("xlaserve_paged_attention") == 1, shape   # inside the layer loop
-        # qkv, gate+up and the output head on packed weight panels; o adding the residual;
-        # down with its silu gate folded in, adding the residual too
-        assert targets.count("xlaserve_matmul_packed") == 3, shape
+        # qkv and gate+up on packed weight panels with their pre-norms folded in, the output
+        # head on packed panels; o adding the residual; down with its silu gate folded in,
+        # adding the residual too
+        assert targets.count("xlaserve_matmul_packed_normed") == 2, shape
+        assert targets.count("xlaserve_matmul_packed") == 1, shape
         assert targets.count("xlaserve_matmul_packed_add") == 1, shape
         assert targets.count("xlaserve_matmul_packed_gated") == 1, shape
 

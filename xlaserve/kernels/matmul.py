@@ -1,6 +1,8 @@
 """Weight matmuls of the decoder: activations times one layer of a stacked weight, read in place.
 
     layer_matmul(x [M, K], (w_1 [L, K, N_1], ...), layer) -> (x @ w_1[layer], ...)
+        norm=(g [L, K], eps): rms_norm(x, g[layer], eps) @ w_1[layer], ... (the pre-norm in
+        the same call)
     gated_matmul(gate [M, F], up [M, F], w [L, F, N], layer) -> (silu(gate) * up) @ w[layer]
     head_matmul(x [M, E], table [V, E])                  -> x @ table.T  (tied output head)
 
@@ -30,9 +32,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from xlaserve.kernels.cpu import build
 from xlaserve.kernels.quantized import QuantizedWeight
+from xlaserve.kernels.rms_norm import rms_norm
 
 
 @jax.tree_util.register_pytree_node_class
@@ -155,13 +159,30 @@ def _check_residual(name: str, residual: jax.Array | None, shape: tuple[int, int
 
 
 def layer_matmul(x: jax.Array, weights: Sequence[Operand], layer: jax.Array,
-                 *, use_kernel: bool = True,
-                 residual: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                 *, use_kernel: bool = True, residual: jax.Array | None = None,
+                 norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, ...]:
     """(x @ w[layer] for w in weights): x [M, K], each w [L, K, N_i] (or packed) -> tuple of
     [M, N_i].  Packed weights go all together (one call) or not at all.  With `residual`
-    [M, N] (one weight only): (residual + x @ w[layer],), in the same pass on packed panels."""
+    [M, N] (one weight only): (residual + x @ w[layer],), in the same pass on packed panels.
+    With `norm` = (g [L, K], eps): x is rms_norm(x, g[layer], eps) first, made inside the
+    kernel's call on packed panels (XLA runs it as small single-threaded fusions)."""
     weights = tuple(weights)
     check_layer_matmul(x, weights)
+    if norm is not None:
+        g, eps = norm
+        if g.ndim != 2 or g.shape[1] != x.shape[1] or g.dtype != x.dtype:
+            raise ValueError(f"layer_matmul: norm weights must be [L, K={x.shape[1]}] "
+                             f"{x.dtype}, got {g.shape} {g.dtype}")
+        if residual is not None:
+            raise ValueError("layer_matmul: norm and residual do not go together")
+        if not (all(isinstance(w, PackedWeight) for w in weights) and uses_kernel(x, use_kernel)):
+            return layer_matmul(rms_norm(x, g[layer], eps), weights, layer,
+                                use_kernel=use_kernel)
+        out = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32)
+                    for w in weights)
+        return tuple(jax.ffi.ffi_call("xlaserve_matmul_packed_normed", out)(
+            x, jnp.asarray(layer, jnp.int32).reshape(()), g,
+            *(a for w in weights for a in w.kernel_args()), eps=np.float32(eps)))
     if residual is not None:
         if len(weights) != 1:
             raise ValueError(f"layer_matmul: a residual goes with one weight, got "

@@ -42,6 +42,7 @@ from xlaserve.kernels.matmul import (
     pack_weight,
 )
 from xlaserve.kernels.quantized import QuantizedWeight, as_operand, is_quantized, quantize_int8
+from xlaserve.kernels.rms_norm import rms_norm
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.moe import ONE_DEVICE, ExpertShard, moe_mlp, moe_param_axes, moe_param_shapes
 from xlaserve.models.quantize import quantize_params, quantized_axes, quantized_shapes
@@ -149,12 +150,6 @@ def init_params(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> Para
                                             is_leaf=lambda x: isinstance(x, tuple))
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
-
-
 def rms_norm_heads(x: jax.Array,        # [T, heads, D]
                    weight: jax.Array,   # [heads, D]
                    eps: float) -> jax.Array:
@@ -258,8 +253,7 @@ def decoder_layers(
     def layer_step(carry: tuple[jax.Array, ...], i: jax.Array) -> tuple[tuple[jax.Array, ...],
                                                                       None]:
         x, k_flat, v_flat = carry
-        h = rms_norm(x, layers["attn_norm"][i], c.rms_norm_eps)
-        q, k, v = _queries_keys_values(c, layers, (wq, wk, wv), i, h, positions, inv_freq,
+        q, k, v = _queries_keys_values(c, layers, (wq, wk, wv), i, x, positions, inv_freq,
                                        (heads, kvh, d), use_kernel)
         dest = i * per_layer + meta.slot_mapping                          # [T]
         k_flat = k_flat.at[dest].set(to_cache_rows(k, k_flat.dtype), mode="drop")
@@ -274,10 +268,11 @@ def decoder_layers(
         else:
             (o,) = layer_matmul(attn.reshape(t, heads * d), (wo,), i, use_kernel=use_kernel)
             x = x + reduce(o)
-        h = rms_norm(x, layers["mlp_norm"][i], c.rms_norm_eps)
         if c.is_moe:
+            h = rms_norm(x, layers["mlp_norm"][i], c.rms_norm_eps)
             return (x + moe_mlp(c, layers, i, h, experts), k_flat, v_flat), None
-        gate, up = layer_matmul(h, (w_gate, w_up), i, use_kernel=use_kernel)
+        gate, up = layer_matmul(x, (w_gate, w_up), i, use_kernel=use_kernel,
+                                norm=(layers["mlp_norm"], c.rms_norm_eps))
         if reduce is None:
             x = gated_matmul(gate, up, w_down, i, use_kernel=use_kernel, residual=x)
         else:
@@ -291,14 +286,16 @@ def decoder_layers(
 
 
 def _queries_keys_values(c: ModelConfig, layers: Params, w_qkv: tuple[jax.Array, ...],
-                         i: jax.Array, h: jax.Array, positions: jax.Array,
+                         i: jax.Array, x: jax.Array, positions: jax.Array,
                          inv_freq: jax.Array, dims: tuple[int, int, int], use_kernel: bool,
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Layer i's q [T, H, D], k [T, K, D] (normed where the family norms them, then RoPE) and
-    v [T, K, D] from the normed input h [T, E]; dims = (H, K, D) of this shard."""
+    v [T, K, D] from the residual stream x [T, E] (its pre-norm taken in the same call);
+    dims = (H, K, D) of this shard."""
     heads, kvh, d = dims
-    t = h.shape[0]
-    q, k, v = layer_matmul(h, w_qkv, i, use_kernel=use_kernel)
+    t = x.shape[0]
+    q, k, v = layer_matmul(x, w_qkv, i, use_kernel=use_kernel,
+                           norm=(layers["attn_norm"], c.rms_norm_eps))
     if c.attention_bias:   # Qwen2: [H or K, D] per layer, this shard's heads
         q, k, v = (a + layers[b][i].reshape(-1) for a, b in zip((q, k, v), ("bq", "bk", "bv")))
     q, k = q.reshape(t, heads, d), k.reshape(t, kvh, d)

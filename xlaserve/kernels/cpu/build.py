@@ -41,6 +41,7 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-DNDEBUG",
 HANDLERS = {
     "xlaserve_matmul": "XlaserveMatmul",
     "xlaserve_matmul_packed": "XlaserveMatmulPacked",
+    "xlaserve_matmul_packed_normed": "XlaserveMatmulPackedNormed",
     "xlaserve_matmul_packed_gated": "XlaserveMatmulPackedGated",
     "xlaserve_matmul_packed_add": "XlaserveMatmulPackedAdd",
     "xlaserve_matmul_nt": "XlaserveMatmulNt",

@@ -3,6 +3,9 @@
 //   xlaserve_matmul_packed   x [M, K] f32, layer [] i32, then per weight j: p_j [L, T_j, K, TN]
 //                            (f32, or s8 followed by its scales s_j [L, T_j, K / G, TN] f32)
 //                            -> y_j [M, N_j] = x @ w_j[layer], T_j = ceil(N_j / TN)
+//   xlaserve_matmul_packed_normed x [M, K], layer, norm [L, K] f32, then p_j [, s_j] as above;
+//                            attr eps -> y_j = rms_norm(x, norm[layer]) @ w_j[layer]  (q/k/v
+//                            and gate/up take the layer's pre-norm in the same call)
 //   xlaserve_matmul_packed_add    x [M, K], layer, residual [M, N], p [L, T, K, TN] [, s]
 //                            -> y [M, N] = residual + x @ w[layer]      (o: the residual update)
 //   xlaserve_matmul_packed_gated  gate [M, F], up [M, F] f32, layer [] i32, p [L, T, F, TN]
@@ -215,30 +218,86 @@ void run_panels(const float* xp, int64_t M, int64_t K, const std::vector<Panel>&
   });
 }
 
+// The panels of every (weight, output) pair of `weights` / `outputs` for x [M, K] at layer l;
+// an error message naming `name` when they do not fit.
+const char* collect_panels(ffi::RemainingArgs& weights, ffi::RemainingRets& outputs, int64_t M,
+                           int64_t K, int32_t l, std::vector<Panel>& panels) {
+  size_t i = 0, j = 0;
+  for (; i < weights.size(); ++j) {
+    PackedArg w;
+    if (const char* bad = next_packed(weights, i, w)) return bad;
+    if (j >= outputs.size()) return "one output per weight";
+    auto y = outputs.get<ffi::Buffer<ffi::F32, 2>>(j);
+    if (!y.has_value()) return "one output [M, N] f32 per weight";
+    auto yd = (*y)->dimensions();
+    if (const char* bad = add_panels(w, (*y)->typed_data(), M, yd[1], yd[0], K, l, panels))
+      return bad;
+  }
+  if (j == 0 || j != outputs.size()) return "one output per weight";
+  return nullptr;
+}
+
 ffi::Error MatmulPacked(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> layer,
                         ffi::RemainingArgs weights, ffi::RemainingRets outputs) {
   ScopedTimer timer(Kernel::kMatmul);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
-  const int32_t l = *layer.typed_data();
   std::vector<Panel> panels;
-  size_t i = 0, j = 0;
-  for (; i < weights.size(); ++j) {
-    PackedArg w;
-    if (const char* bad = next_packed(weights, i, w))
-      return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed: ") + bad);
-    if (j >= outputs.size())
-      return ffi::Error::InvalidArgument("xlaserve_matmul_packed: one output per weight");
-    auto y = outputs.get<ffi::Buffer<ffi::F32, 2>>(j);
-    if (!y.has_value())
-      return ffi::Error::InvalidArgument("xlaserve_matmul_packed: one output [M, N] f32 per "
-                                         "weight");
-    auto yd = (*y)->dimensions();
-    if (const char* bad = add_panels(w, (*y)->typed_data(), M, yd[1], yd[0], K, l, panels))
-      return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed: ") + bad);
-  }
-  if (j == 0 || j != outputs.size())
-    return ffi::Error::InvalidArgument("xlaserve_matmul_packed: one output per weight");
+  if (const char* bad = collect_panels(weights, outputs, M, K, *layer.typed_data(), panels))
+    return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed: ") + bad);
   run_panels(x.typed_data(), M, K, panels);
+  return ffi::Error::Success();
+}
+
+// h[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * w for rows [m0, m1) of x [M, K]: RMSNorm
+// as models/llama.py's reference computes it (the mean of squares in float32; the sum's order
+// differs from XLA's, ~1 ulp).  Each row is one thread's, whatever M: batch invariant.
+void rms_norm_rows(const float* x, const float* w, float eps, int64_t K, int64_t m0,
+                   int64_t m1, float* h) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * K;
+    Vec acc = zero();
+    int64_t k = 0;
+    for (; k + kLanes <= K; k += kLanes) acc = fma(load(xr + k), load(xr + k), acc);
+    float ss = hsum(acc);
+    for (; k < K; ++k) ss += xr[k] * xr[k];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+    const Vec iv = splat(inv);
+    float* hr = h + m * K;
+    for (k = 0; k + kLanes <= K; k += kLanes) store(hr + k, mul(mul(load(xr + k), iv),
+                                                                load(w + k)));
+    for (; k < K; ++k) hr[k] = xr[k] * inv * w[k];
+  }
+}
+
+// y_j = rms_norm(x, norm[layer]) @ w_j[layer]: the layer's pre-norm made into a scratch [M, K]
+// (over the workers when the rows are many), then the panels as in MatmulPacked.  XLA ran
+// each norm as four small single-threaded fusions, eight a layer.
+ffi::Error MatmulPackedNormed(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> layer,
+                              ffi::Buffer<ffi::F32, 2> norm, ffi::RemainingArgs weights,
+                              ffi::RemainingRets outputs, float eps) {
+  ScopedTimer timer(Kernel::kMatmul);
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  const int32_t l = *layer.typed_data();
+  if (norm.dimensions()[1] != K || l < 0 || l >= norm.dimensions()[0])
+    return ffi::Error::InvalidArgument("xlaserve_matmul_packed_normed: norm must be [L, K] "
+                                       "for x [M, K], with the layer in [0, L)");
+  std::vector<Panel> panels;
+  if (const char* bad = collect_panels(weights, outputs, M, K, l, panels))
+    return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_normed: ") + bad);
+  thread_local std::vector<float> scratch;   // the calling thread's: workers get `h`
+  scratch.resize(M * K);
+  float* h = scratch.data();
+  const float* w = norm.typed_data() + static_cast<int64_t>(l) * K;
+  constexpr int64_t kRowsPerItem = 16;
+  if (M <= kRowsPerItem) {
+    rms_norm_rows(x.typed_data(), w, eps, K, 0, M, h);
+  } else {
+    parallel_for((M + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
+      const int64_t m0 = item * kRowsPerItem;
+      rms_norm_rows(x.typed_data(), w, eps, K, m0, std::min(M, m0 + kRowsPerItem), h);
+    });
+  }
+  run_panels(h, M, K, panels);
   return ffi::Error::Success();
 }
 
@@ -333,6 +392,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPacked, xlaserve::MatmulPacked,
                                   .Arg<xlaserve::S32_0>()  // layer
                                   .RemainingArgs()         // p_j [, s_j]
                                   .RemainingRets());       // y_j
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedNormed, xlaserve::MatmulPackedNormed,
+                              ffi::Ffi::Bind()
+                                  .Arg<xlaserve::F32_2>()  // x
+                                  .Arg<xlaserve::S32_0>()  // layer
+                                  .Arg<xlaserve::F32_2>()  // norm [L, K]
+                                  .RemainingArgs()         // p_j [, s_j]
+                                  .RemainingRets()         // y_j
+                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedGated, xlaserve::MatmulPackedGated,
                               ffi::Ffi::Bind()
