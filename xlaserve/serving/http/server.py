@@ -126,7 +126,8 @@ async def build_model_engines(config: ServerConfig) -> dict[str, list[AsyncEngin
                 scheme = r.split("://", 1)[0]
                 (split[scheme] if scheme in split else reps).append(remote)
         if split["prefill"]:
-            reps.append(DisaggregatedEngine(split["prefill"], split["decode"], m.name))
+            reps.append(DisaggregatedEngine(split["prefill"], split["decode"], m.name,
+                                            int(m.engine_args.get("block_size", 16))))
         out[m.id] = reps
     return out
 
