@@ -38,7 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from xlaserve.serving.config_file import load_config, with_model_overrides
+from xlaserve.serving.config_file import with_model_overrides
 from xlaserve.serving.disagg.transfer import PrefixFetcher, to_messages
 from xlaserve.serving.engine.kv_handoff import export_prefix, import_prefix
 from xlaserve.serving.engine_api import AsyncEngine
@@ -379,7 +379,14 @@ async def _build_engine(m: ServedModel) -> AsyncEngine:
 
 
 async def _serve_worker(args: argparse.Namespace, auth: WorkerAuth) -> None:
-    config = with_model_overrides(load_config(args.config), dtype=args.dtype)
+    from xlaserve.serving.disagg.workers import refuse_multiprocess_worker
+    from xlaserve.serving.http.server import load_serve_config
+    from xlaserve.sharding.distributed import DistributedConfig
+
+    loaded, table = load_serve_config(args.config)
+    layout = DistributedConfig.resolve(table)
+    refuse_multiprocess_worker(args.role, layout.num_processes if layout else 1)
+    config = with_model_overrides(loaded, dtype=args.dtype)
     matches = [m for m in config.models if args.model in (m.id, m.name)]
     if not matches:
         raise ValueError(f"--model {args.model!r} not in {[m.id for m in config.models]}")
