@@ -1,5 +1,5 @@
 """The host-only packages' tests (scheduler, KV-cache bookkeeping, admission, routing,
-speculative proposers) pass in
+speculative proposers, the split's prefill pick) pass in
 an interpreter where jax cannot be imported, as in a venv without it: a `sitecustomize` on the
 path refuses every `jax` / `jaxlib` import, and pytest runs those test folders under it."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 HOST_ONLY = ["tests/serving/scheduler", "tests/serving/kv_cache", "tests/serving/admission",
              "tests/serving/router", "tests/serving/speculative",
-             "tests/serving/runner/test_host_step.py"]
+             "tests/serving/runner/test_host_step.py", "tests/serving/disagg/test_affinity.py"]
 
 NO_JAX = '''import sys
 

@@ -1,15 +1,20 @@
-"""Prefill and decode on separate `xlaserve worker` processes (serving/disagg/), started by an
-`xlaserve serve` front end as its children (configs/disagg.toml: spawn_workers, as the
-smollm2-disagg preset), every hop carrying the bearer token:
+"""Prefill and decode on separate `xlaserve worker` processes (serving/disagg/): two prefill
+workers and a decode worker, started by an `xlaserve serve` front end as its children
+(configs/disagg.toml: spawn_workers, as the smollm2-disagg preset), every hop carrying the
+bearer token:
 
 - greedy outputs through prefill worker -> KV over gRPC -> decode worker equal the unified
   engine's (the decode worker serving whole requests, as any worker does) for the 8-prompt
   parity set and a 32-request mixed workload sent at once; the decode worker's prefix cache
   shows the prompts' blocks arriving instead of being computed;
-- a client gone during prefill or during decode leaves both workers idle with every block
-  free;
-- a prefill worker SIGKILLed mid-request ends the request with an explicit error, never a
-  hang, and the front end stays up.
+- a client gone during prefill or during decode leaves every worker idle with every block
+  free; so does an Abort or a cancelled call while the decode worker fetches the KV (its
+  source SIGSTOPped to hold the transfer open);
+- a prompt whose long prefix was prefilled before goes back to that prefill worker (its
+  prefix hits rise), unrelated prompts spread over both;
+- a prefill worker SIGKILLed mid-request: the request is retried on the other one; a decode
+  worker SIGKILLed mid-request: an explicit error naming it, never a hang; the front end
+  stays up and the workers left end idle.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import json
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +47,7 @@ class Worker:
 
     def __init__(self, port: int):
         self.port = port
+        self.target = f"127.0.0.1:{port}"
         self.channel = grpc.secure_channel(
             f"127.0.0.1:{port}", grpc.composite_channel_credentials(
                 grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP),
@@ -77,8 +82,9 @@ class Worker:
 
 
 class Split:
-    def __init__(self, prefill: Worker, decode: Worker, front: HttpServer):
-        self.prefill, self.decode, self.front = prefill, decode, front
+    def __init__(self, prefills: list[Worker], decode: Worker, front: HttpServer):
+        self.prefills, self.decode, self.front = prefills, decode, front
+        self.live = [*prefills, decode]   # the workers not killed by a test
 
     def complete(self, ids: list[int], max_tokens: int) -> list[int]:
         """Greedy tokens through the split, read back from the completion's logprobs."""
@@ -90,23 +96,32 @@ class Split:
         return tokens
 
     def idle(self) -> bool:
-        return self.prefill.idle() and self.decode.idle()
+        return all(w.idle() for w in self.live)
+
+    def stats(self) -> list[pb.EngineStats]:
+        return [w.stats() for w in self.live]
+
+    def kill(self, worker: Worker) -> None:
+        os.kill(worker.pid(), signal.SIGKILL)
+        self.live.remove(worker)
 
 
 @pytest.fixture(scope="module")
 def split(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
     d = tmp_path_factory.mktemp("disagg")
-    ports = {"prefill": free_port(), "decode": free_port(), "port": free_port()}
+    ports = {"prefill": free_port(), "prefill2": free_port(), "decode": free_port(),
+             "port": free_port()}
     cfg = write_config("disagg.toml", d / "disagg.toml", model_dir=model_dir, **ports)
     front = HttpServer("front-disagg", cfg, ports["port"], d, env={DEFAULT_TOKEN_ENV: TOKEN})
     try:
         front.wait_ready()    # once both workers it started are warm
-        yield Split(Worker(ports["prefill"]), Worker(ports["decode"]), front)
+        yield Split([Worker(ports["prefill"]), Worker(ports["prefill2"])],
+                    Worker(ports["decode"]), front)
         assert front.alive, front.log_tail()
     finally:
         code = front.stop()
     assert code == 0, front.log_tail()
-    workers_left = [p for p in ("prefill", "decode") if _alive(ports[p])]
+    workers_left = [p for p in ("prefill", "prefill2", "decode") if _alive(ports[p])]
     assert not workers_left, f"{workers_left} workers outlived the server"
 
 
@@ -184,34 +199,120 @@ def _stream_then_drop(split: Split, ids: list[int], after_chunks: int) -> None:
 
 def test_client_gone_in_decode_or_prefill_frees_every_block(split, prompts):
     _stream_then_drop(split, prompts[-1], after_chunks=5)          # in decode
-    assert wait_for(split.idle, 20), (split.prefill.stats(), split.decode.stats())
+    assert wait_for(split.idle, 20), split.stats()
     long_prompt = [t for p in prompts[4:] for t in p][:480]
     body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 20, "stream": True}
     try:   # gone before the first token: during prefill
         httpx.post(split.front.url + "/v1/completions", json=body, timeout=0.3)
     except httpx.TimeoutException:
         pass
-    assert wait_for(split.idle, 30), (split.prefill.stats(), split.decode.stats())
+    assert wait_for(split.idle, 30), split.stats()
 
 
-def test_prefill_worker_killed_mid_request_is_an_explicit_error(split, prompts):
+def _finished(workers: list[Worker]) -> list[tuple[int, int]]:
+    return [(s.num_finished, s.prefix_cache_hits) for s in (w.stats() for w in workers)]
+
+
+def test_a_repeated_prefix_goes_to_the_prefill_worker_holding_it(split, prompts):
+    shared = prompts[-1][:240]                         # 15 blocks, prefilled by earlier tests
+    tails = [list(reversed(p))[:20] for p in prompts[:4]]
+    before = _finished(split.prefills)
+    for tail in tails:
+        split.complete(shared + tail, 2)
+    after = _finished(split.prefills)
+    runs = [a[0] - b[0] for a, b in zip(after, before)]
+    hits = [a[1] - b[1] for a, b in zip(after, before)]
+    assert sorted(runs) == [0, 4], (runs, hits)        # all four on one worker
+    held = runs.index(4)
+    assert hits[held] >= 3 * 240 and hits[1 - held] == 0, hits
+    # unrelated prompts (no remembered prefix): the least loaded, ties in turn
+    before = _finished(split.prefills)
+    for p in prompts[4:]:
+        split.complete(list(reversed(p)), 2)
+    runs = [a[0] - b[0] for a, b in zip(_finished(split.prefills), before)]
+    assert sum(runs) == 4 and min(runs) >= 1, runs
+    assert wait_for(split.idle, 10), split.stats()
+
+
+def test_abort_or_cancel_while_the_kv_is_fetched_frees_everything(split, prompts):
+    """The split's middle driven over gRPC as the front end drives it: the prefill part on a
+    prefill worker, which is then SIGSTOPped, so that two decode parts sent after it stay in
+    their KV fetch; one gets an Abort, the other's call is cancelled (the front end's client
+    gone)."""
+    source, decode, ids = split.prefills[0], split.decode, prompts[-2]
+    prefill_part = pb.GenerateRequest(
+        model=MODEL, prompt_token_ids=ids, request_id="fetch-p", continues=True,
+        sampling=pb.SamplingParams(max_tokens=1, ignore_eos=True))
+    first = [t for m in source.stub.Generate(prefill_part, timeout=60) for t in m.token_ids]
+
+    def decode_part(rid: str) -> pb.GenerateRequest:
+        return pb.GenerateRequest(model=MODEL, prompt_token_ids=ids, request_id=rid,
+                                  output_token_ids=first, kv_source=source.target,
+                                  sampling=pb.SamplingParams(max_tokens=50, ignore_eos=True))
+
+    os.kill(source.pid(), signal.SIGSTOP)
+    try:
+        aborted = decode.stub.Generate(decode_part("fetch-a"), timeout=60)
+        cancelled = decode.stub.Generate(decode_part("fetch-c"), timeout=60)
+        assert wait_for(lambda: decode.stats().kv_fetching == 2, 30), decode.stats()
+        decode.stub.Abort(pb.AbortRequest(model=MODEL, request_id="fetch-a"), timeout=5)
+        ends = [(m.finish_reason, list(m.token_ids)) for m in aborted]
+        assert ends == [("abort", [])], ends
+        cancelled.cancel()
+        assert wait_for(lambda: decode.stats().kv_fetching == 0, 10), decode.stats()
+        assert decode.idle(), decode.stats()              # neither reached its engine
+    finally:
+        os.kill(source.pid(), signal.SIGCONT)
+    assert wait_for(split.idle, 30), split.stats()         # the ExportKV calls it resumes to
+    # both ids are free again on the decode worker: a whole request reusing one runs
+    again = pb.GenerateRequest(model=MODEL, prompt_token_ids=ids[:20], request_id="fetch-c",
+                               sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len([t for m in decode.stub.Generate(again, timeout=60) for t in m.token_ids]) == 2
+    assert wait_for(split.idle, 10), split.stats()
+
+
+def test_prefill_worker_killed_mid_request_is_retried_on_the_other(split, prompts):
     long_prompt = [t for p in prompts[4:] for t in p][:480]
     result: dict[str, object] = {}
 
     def send() -> None:
         r = httpx.post(split.front.url + "/v1/completions", timeout=120, json={
-            "model": MODEL, "prompt": long_prompt, "max_tokens": 8})
+            "model": MODEL, "prompt": long_prompt, "max_tokens": 8, "ignore_eos": True})
+        result["status"], result["body"] = r.status_code, r.text
+
+    before = _finished(split.prefills)
+    t = threading.Thread(target=send)
+    t.start()
+    assert wait_for(lambda: any(w.stats().num_running for w in split.prefills), 30)
+    victim = next(w for w in split.prefills if w.stats().num_running)
+    other = split.prefills[1 - split.prefills.index(victim)]
+    split.kill(victim)
+    t.join(120)
+    assert not t.is_alive(), "the request hung after its prefill worker died"
+    assert result["status"] == 200, result
+    assert json.loads(str(result["body"]))["usage"]["completion_tokens"] == 8, result
+    # the other prefill worker ran the prompt again: one more part finished there
+    done = before[split.prefills.index(other)][0]
+    assert other.stats().num_finished == done + 1
+    assert split.front.alive and wait_for(split.idle, 10), split.stats()
+
+
+def test_decode_worker_killed_mid_request_is_an_explicit_error(split, prompts):
+    result: dict[str, object] = {}
+
+    def send() -> None:
+        r = httpx.post(split.front.url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": prompts[3], "max_tokens": 300, "ignore_eos": True})
         result["status"], result["body"] = r.status_code, r.text
 
     t = threading.Thread(target=send)
     t.start()
-    assert wait_for(lambda: split.prefill.stats().num_running > 0, 30)
-    os.kill(split.prefill.pid(), signal.SIGKILL)
+    assert wait_for(lambda: split.decode.stats().num_running > 0, 60)
+    split.kill(split.decode)
     t.join(60)
-    assert not t.is_alive(), "the request hung after its prefill worker died"
+    assert not t.is_alive(), "the request hung after its decode worker died"
     assert result["status"] >= 500, result
     error = json.loads(str(result["body"]))["error"]
-    assert "prefill" in error["message"], error
-    time.sleep(0.5)
-    assert split.front.alive and split.decode.idle()
+    assert f"decode worker {split.decode.target}" in error["message"], error
+    assert split.front.alive and wait_for(split.idle, 10), split.stats()   # the prefill side
     assert httpx.get(split.front.url + "/health", timeout=10).status_code == 200

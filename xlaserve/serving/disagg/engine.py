@@ -2,7 +2,9 @@
 workers (each an `xlaserve worker` behind a RemoteEngine); the AsyncEngine protocol.
 
     submit(request)
-      1. a prefill worker (the least loaded live one) runs the prompt to its first token:
+      1. a prefill worker runs the prompt to its first token (affinity.py: the live one
+         that last prefilled the prompt's longest cached prefix, unless it is much busier
+         than the least loaded; else the least loaded):
          the request with max_tokens 1 and `continues` (text held back stays held)
          -> the first token's event goes to the client at once (time to first token)
       2. a decode worker (the least loaded live one) gets the request with that token as its
@@ -14,9 +16,11 @@ workers (each an `xlaserve worker` behind a RemoteEngine); the AsyncEngine proto
 A request that ends at its first token (a stop token, max_tokens 1, the context full) never
 reaches a decode worker.  A prefill worker that fails before the first token (gone, refused,
 an error event) is retried once on another live prefill worker; a decode worker that fails
-ends the request with its error event.  Blocks are never held for the handoff on either side
-(engine/kv_handoff.py), so an abort or a dead worker at any point leaks nothing: the request's
-blocks on each worker are freed by that worker's own abort or finish.
+ends the request with its error event, naming the worker.  Blocks are never held for the
+handoff on either side (engine/kv_handoff.py), so an abort or a dead worker at any point
+leaks nothing: the request's blocks on each worker are freed by that worker's own abort or
+finish, and a decode worker still fetching the KV drops the request before its engine sees
+it (grpc/server.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
+from xlaserve.serving.disagg.affinity import PrefixAffinity
 from xlaserve.serving.engine_api import EngineStats, ServiceCosts
 from xlaserve.serving.grpc.client import RemoteEngine
 from xlaserve.serving.types import EngineEvent, GenerationRequest, Usage
@@ -32,7 +37,7 @@ from xlaserve.serving.types import EngineEvent, GenerationRequest, Usage
 
 class DisaggregatedEngine:
     def __init__(self, prefill: Sequence[RemoteEngine], decode: Sequence[RemoteEngine],
-                 model_name: str):
+                 model_name: str, block_size: int = 16):
         if not prefill or not decode:
             raise ValueError(f"a disaggregated replica needs prefill and decode workers, got "
                              f"{len(prefill)} and {len(decode)}")
@@ -41,6 +46,9 @@ class DisaggregatedEngine:
         self.model_name = model_name
         self.tokenizer = self.decode[0].tokenizer
         self._where: dict[str, list[RemoteEngine]] = {}   # request id -> workers it is on
+        self.affinity = PrefixAffinity(block_size)
+        # parts this engine has on each worker now: exact, unlike the polled stats
+        self._parts: dict[str, int] = {w.target: 0 for w in self.workers}
 
     @property
     def workers(self) -> list[RemoteEngine]:
@@ -84,13 +92,35 @@ class DisaggregatedEngine:
                             max((c.step_s for c in d), default=0.0),
                             sum(c.prefill_tokens_per_s for c in p))
 
-    @staticmethod
-    def _pick(workers: Sequence[RemoteEngine], avoid: RemoteEngine | None = None
+    def _load(self, w: RemoteEngine) -> int:
+        s = w.stats()
+        return max(s.num_running + s.num_waiting, self._parts[w.target])
+
+    def _pick(self, workers: Sequence[RemoteEngine], avoid: RemoteEngine | None = None
               ) -> RemoteEngine | None:
         live = [w for w in workers if w.ready and w is not avoid]
         if not live:
             return None
-        return min(live, key=lambda w: (w.stats().num_running + w.stats().num_waiting))
+        return min(live, key=self._load)
+
+    def _pick_prefill(self, hashes: Sequence[bytes], avoid: RemoteEngine | None
+                      ) -> RemoteEngine | None:
+        live = [w for w in self.prefill if w.ready and w is not avoid]
+        if not live:
+            return None
+        target = self.affinity.choose([w.target for w in live], [self._load(w) for w in live],
+                                      hashes)
+        return next(w for w in live if w.target == target)
+
+    async def _run_part(self, worker: RemoteEngine, part: GenerationRequest, kv_source: str = ""
+                        ) -> AsyncIterator[EngineEvent]:
+        """`worker.submit(part)`, counted in this engine's load of `worker` while it runs."""
+        self._parts[worker.target] += 1
+        try:
+            async for ev in worker.submit(part, kv_source=kv_source):
+                yield ev
+        finally:
+            self._parts[worker.target] -= 1
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
         rid = request.request_id
@@ -121,16 +151,18 @@ class DisaggregatedEngine:
         retry on another prefill worker when the first fails without a token."""
         part = dataclasses.replace(request, continues=True, sampling=dataclasses.replace(
             request.sampling, max_tokens=1))
+        hashes = self.affinity.hashes(request.prompt_token_ids, request.tenant)
         tried: RemoteEngine | None = None
         for _ in range(2):
-            worker = self._pick(self.prefill, avoid=tried)
+            worker = self._pick_prefill(hashes, avoid=tried)
             if worker is None:
                 break
             tried = worker
             self._where[request.request_id] = [worker]
-            events = [ev async for ev in worker.submit(part)]
+            events = [ev async for ev in self._run_part(worker, part)]
             first = _merge(events)
             if first.error is None or first.token_ids:
+                self.affinity.record(worker.target, hashes)
                 return first, worker
         error = "no prefill worker could run the prompt" + (
             f" (last: {first.error})" if tried is not None else " (none is ready)")
@@ -147,7 +179,11 @@ class DisaggregatedEngine:
         self._where[request.request_id] = [worker]
         part = dataclasses.replace(request, output_token_ids=first.token_ids)
         cached = first.usage.cached_tokens if first.usage is not None else 0
-        async for ev in worker.submit(part, kv_source=source.target):
+        async for ev in self._run_part(worker, part, kv_source=source.target):
+            if ev.error is not None:
+                said = (ev.error if ev.error.startswith(worker.target)
+                        else f"{worker.target}: {ev.error}")
+                ev = dataclasses.replace(ev, error=f"decode worker {said}")
             if ev.usage is not None:
                 ev = dataclasses.replace(ev, usage=dataclasses.replace(ev.usage,
                                                                        cached_tokens=cached))

@@ -2,7 +2,13 @@
 itself, as child processes on loopback (`xlaserve worker --role R --port P`, the same config
 file), and stops them when it stops — for trying the split on one machine
 (configs/smollm2-disagg.toml).  A child dies with the server even if the server is killed
-(Linux: the parent-death signal)."""
+(Linux: the parent-death signal).
+
+The split's workers are single-process: a worker's KV export gathers a prompt's blocks from
+its whole cache and its import writes them, which a process of a multi-process mesh (a
+`[distributed]` job) cannot do with only its shard addressable.  `refuse_multiprocess`
+refuses that layout by name when `xlaserve serve` or `xlaserve worker` starts, before any
+process joins a job or loads a model."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from types import TracebackType
 from xlaserve.serving.server_config import ServerConfig, is_loopback, replica_target, target_host
 
 PR_SET_PDEATHSIG = 1
+LAYOUT_SOURCE = "[distributed] (or XLASERVE_COORDINATOR / _NUM_PROCESSES)"
 STOP_TIMEOUT_S = 15.0
 
 
@@ -25,6 +32,31 @@ def _die_with_parent() -> None:   # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass   # not Linux: the server's own stop() still ends them
+
+
+def refuse_multiprocess(config: ServerConfig, num_processes: int, where: str) -> None:
+    """ValueError if `config` splits a model into prefill:// and decode:// workers while
+    `num_processes` (the [distributed] layout `where` names) is more than one."""
+    if num_processes <= 1:
+        return
+    split = [m.id for m in config.models
+             if any(r.startswith(("prefill://", "decode://")) for r in m.replicas)]
+    if split:
+        raise ValueError(f"{where} makes a job of num_processes={num_processes}, but models "
+                         f"{split} are split into prefill:// and decode:// workers, which run "
+                         "single-process (a KV handoff reads and writes the whole cache); "
+                         "serve the split without [distributed], or the model unsplit")
+
+
+def refuse_multiprocess_worker(role: str, num_processes: int) -> None:
+    """ValueError for `xlaserve worker --role R` on a layout of several processes."""
+    if num_processes <= 1:
+        return
+    why = ("a KV handoff reads and writes the whole cache, which one process of a "
+           "multi-process mesh does not hold" if role in ("prefill", "decode") else
+           "a worker runs one process; a multi-process job is `xlaserve serve` on every host")
+    raise ValueError(f"--role {role}: {LAYOUT_SOURCE} makes a job of "
+                     f"num_processes={num_processes}, but {why}")
 
 
 def worker_commands(config_path: str | Path, config: ServerConfig) -> list[list[str]]:

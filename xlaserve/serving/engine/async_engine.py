@@ -267,6 +267,10 @@ class ThreadedEngine:
                                               error=str(e)))
             elif kind == "call":
                 fn, future = payload
+                # a caller cancelled meanwhile (a KV fetch whose request went away) cancelled
+                # the future: skip it (setting its result would raise on this thread)
+                if not future.set_running_or_notify_cancel():
+                    continue
                 try:
                     future.set_result(fn(self.engine))
                 except Exception as e:  # the caller's to handle

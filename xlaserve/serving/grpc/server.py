@@ -5,6 +5,8 @@ three; health and reflection need no token, see auth.py).
 
 Generate streams the engine's events; if the client cancels the call or its deadline passes,
 grpc cancels the handler and the `finally` aborts the engine request, freeing its blocks.  A
+split request's decode part first fetches its prompt's KV (`kv_source`): a cancellation or an
+Abort of its id during that fetch ends it there (an "abort" event), before the engine sees it.  A
 request id stays reserved (another Generate with it gets ALREADY_EXISTS) until its request's
 abort is in the engine's hands; the engine then holds a request reusing the id until it has
 let go of the old one.
@@ -36,7 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from xlaserve.serving.config_file import load_config, with_model_overrides
+from xlaserve.serving.config_file import with_model_overrides
 from xlaserve.serving.disagg.transfer import PrefixFetcher, to_messages
 from xlaserve.serving.engine.kv_handoff import export_prefix, import_prefix
 from xlaserve.serving.engine_api import AsyncEngine
@@ -52,7 +54,7 @@ from xlaserve.serving.grpc.convert import (
 )
 from xlaserve.serving.server_config import ServedModel, target_host
 from xlaserve.serving.telemetry import Telemetry
-from xlaserve.serving.types import EngineEvent, GenerationRequest, KVHandoff
+from xlaserve.serving.types import EngineEvent, GenerationRequest, KVHandoff, Usage
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise ValueError("GenerationServicer needs at least one engine")
         self.engines = dict(engines)
         self.inflight: set[str] = set()
+        # split requests whose prompt KV is being fetched: id -> (engine, set by its Abort)
+        self.fetching: dict[str, tuple[AsyncEngine, asyncio.Event]] = {}
         self.telemetry = telemetry or Telemetry()
         self.fetcher = fetcher or PrefixFetcher(lambda target: None)
 
@@ -122,15 +126,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                           context.invocation_metadata(), {
                                               "xlaserve.engine_request_id": rid,
                                               "xlaserve.prompt_tokens": len(ids)})
-        handoff = None
-        if request.kv_source:   # a decode worker's part of a split request: its prompt's KV
-            handoff = await adopt_prefix(self.fetcher, engine, request.kv_source,
-                                         request.model, ids, request.tenant)
-        stream = engine.submit(GenerationRequest(
-            rid, ids, sampling, tier, request.priority, request.tenant, None, loop.time(),
-            speculative_from_pb(request), output_token_ids=tuple(request.output_token_ids),
-            continues=request.continues))
+        handoff, stream = None, None
         try:
+            if request.kv_source:   # a decode worker's part of a split request: its prompt's KV
+                aborted, handoff = await self._fetch_kv(rid, engine, request, ids)
+                if aborted:
+                    finished = True
+                    yield event_to_pb(EngineEvent(rid, finish_reason="abort",
+                                                  usage=Usage(len(ids), 0)))
+                    return
+            stream = engine.submit(GenerationRequest(
+                rid, ids, sampling, tier, request.priority, request.tenant, None, loop.time(),
+                speculative_from_pb(request), output_token_ids=tuple(request.output_token_ids),
+                continues=request.continues))
             async for ev in stream:
                 times.saw(ev)
                 if handoff is not None:
@@ -151,12 +159,36 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             with contextlib.suppress(BaseException):  # the original exception goes on
                 await asyncio.shield(end)
 
-    async def _end(self, engine: AsyncEngine, rid: str, stream: AsyncIterator[EngineEvent],
-                   finished: bool) -> None:
+    async def _fetch_kv(self, rid: str, engine: AsyncEngine, request: pb.GenerateRequest,
+                        ids: list[int]) -> tuple[bool, KVHandoff | None]:
+        """(aborted, handoff): adopt_prefix from the request's kv_source, unless an Abort of
+        `rid` comes first (True: the fetch is cancelled, the request never reaches the engine).
+        The call's own cancellation (the front end gone) cancels the fetch too.  Either way
+        nothing is held: adopted blocks are cached free (engine/kv_handoff.py)."""
+        abort = asyncio.Event()
+        self.fetching[rid] = (engine, abort)
+        fetch = asyncio.ensure_future(adopt_prefix(self.fetcher, engine, request.kv_source,
+                                                   request.model, ids, request.tenant))
+        aborted = asyncio.ensure_future(abort.wait())
+        try:
+            done, _ = await asyncio.wait({fetch, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            del self.fetching[rid]
+            aborted.cancel()
+            if not fetch.done():
+                fetch.cancel()
+        if fetch not in done:
+            return True, None
+        return False, fetch.result()
+
+    async def _end(self, engine: AsyncEngine, rid: str,
+                   stream: AsyncIterator[EngineEvent] | None, finished: bool) -> None:
         """Abort the request unless it finished (cancelled, deadline, or the engine stream
         broke), close its stream, and only then free its id: a request reusing the id earlier
         could be hit by this one's abort."""
         try:
+            if stream is None:   # it never reached the engine (gone during its KV fetch)
+                return
             if not finished:
                 with contextlib.suppress(Exception):
                     await engine.abort(rid)
@@ -182,6 +214,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         engines = [await self._engine(request.model, context)] if request.model else \
             list(self.engines.values())
+        fetching = self.fetching.get(request.request_id)
+        if fetching is not None and fetching[0] in engines:
+            fetching[1].set()   # not in the engine yet: its Generate ends the fetch
         for e in engines:
             await e.abort(request.request_id)
         return pb.AbortResponse()
@@ -195,7 +230,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GetStats(self, request: pb.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> pb.EngineStats:
         e = await self._engine(request.model, context)
-        return stats_to_pb(e.stats(), e.service_costs(), e.ready)
+        out = stats_to_pb(e.stats(), e.service_costs(), e.ready)
+        out.kv_fetching = sum(1 for engine, _ in self.fetching.values() if engine is e)
+        return out
 
 
 async def adopt_prefix(fetcher: PrefixFetcher, engine: AsyncEngine, source: str, model: str,
@@ -342,7 +379,14 @@ async def _build_engine(m: ServedModel) -> AsyncEngine:
 
 
 async def _serve_worker(args: argparse.Namespace, auth: WorkerAuth) -> None:
-    config = with_model_overrides(load_config(args.config), dtype=args.dtype)
+    from xlaserve.serving.disagg.workers import refuse_multiprocess_worker
+    from xlaserve.serving.http.server import load_serve_config
+    from xlaserve.sharding.distributed import DistributedConfig
+
+    loaded, table = load_serve_config(args.config)
+    layout = DistributedConfig.resolve(table)
+    refuse_multiprocess_worker(args.role, layout.num_processes if layout else 1)
+    config = with_model_overrides(loaded, dtype=args.dtype)
     matches = [m for m in config.models if args.model in (m.id, m.name)]
     if not matches:
         raise ValueError(f"--model {args.model!r} not in {[m.id for m in config.models]}")

@@ -181,7 +181,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_finished", "ready", "max_running", "step_s", "prefill_tokens_per_s", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_counts")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_finished", "ready", "max_running", "step_s", "prefill_tokens_per_s", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_counts", "kv_fetching")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class EngineStats(_message.Message):
     SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTANCE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    KV_FETCHING_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -216,4 +217,5 @@ class EngineStats(_message.Message):
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
     spec_acceptance_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., ready: _Optional[bool] = ..., max_running: _Optional[int] = ..., step_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_fetching: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., ready: _Optional[bool] = ..., max_running: _Optional[int] = ..., step_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_counts: _Optional[_Iterable[int]] = ..., kv_fetching: _Optional[int] = ...) -> None: ...

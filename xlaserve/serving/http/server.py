@@ -47,7 +47,12 @@ from hypercorn.config import Config as HyperConfig
 
 from xlaserve.serving.admission import AdmissionController
 from xlaserve.serving.config_file import config_from_dict, with_model_overrides
-from xlaserve.serving.disagg.workers import SpawnedWorkers, worker_commands
+from xlaserve.serving.disagg.workers import (
+    LAYOUT_SOURCE,
+    SpawnedWorkers,
+    refuse_multiprocess,
+    worker_commands,
+)
 from xlaserve.serving.engine_api import AsyncEngine, ServiceCosts
 from xlaserve.serving.http.app import create_app
 from xlaserve.serving.http.state import ServingState
@@ -126,7 +131,8 @@ async def build_model_engines(config: ServerConfig) -> dict[str, list[AsyncEngin
                 scheme = r.split("://", 1)[0]
                 (split[scheme] if scheme in split else reps).append(remote)
         if split["prefill"]:
-            reps.append(DisaggregatedEngine(split["prefill"], split["decode"], m.name))
+            reps.append(DisaggregatedEngine(split["prefill"], split["decode"], m.name,
+                                            int(m.engine_args.get("block_size", 16))))
         out[m.id] = reps
     return out
 
@@ -257,7 +263,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     distributed: DistributedConfig | None = None
     try:
         config, table = load_serve_config(args.config)
-        distributed = DistributedConfig.resolve(table)
+        layout = DistributedConfig.resolve(table)
+        if layout is not None:   # before joining the job: a plain exit
+            refuse_multiprocess(config, layout.num_processes, LAYOUT_SOURCE)
+        distributed = layout
         config = with_model_overrides(config, mesh=args.mesh, dtype=args.dtype)
         if args.host or args.port is not None:
             config = dataclasses.replace(config, host=args.host or config.host,

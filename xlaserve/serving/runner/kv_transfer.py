@@ -7,7 +7,9 @@ worker to another (serving/engine/kv_handoff.py).
 Block counts are padded to a power of two (padding reads / writes the null block 0, whose
 contents are garbage by design), so a handoff of n blocks compiles one program per
 ceil(log2 n) bucket, not per n.  Works on any single-process layout: the jitted gather and
-scatter keep the cache's sharding (kv heads over `tensor`, layers over `pipeline`).
+scatter keep the cache's sharding (kv heads over `tensor`, layers over `pipeline`).  A cache
+spread over several processes is refused (ValueError): this process holds only its shard
+(the split's workers are refused such a layout at start-up: disagg/workers.py).
 """
 
 from __future__ import annotations
@@ -44,8 +46,16 @@ def _scatter() -> jax.stages.Wrapped:
                    donate_argnums=(0, 1))
 
 
+def _check_addressable(kv: KVCache) -> None:
+    if not kv.k.is_fully_addressable:
+        raise ValueError(f"the KV cache spans {len({d.process_index for d in kv.k.devices()})} "
+                         "processes: a process holds only its shard, so its blocks cannot be "
+                         "handed to another worker")
+
+
 def gather_blocks(kv: KVCache, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """The K and V of `block_ids`, in order: two [L, n, bs, K, D'] host arrays."""
+    _check_addressable(kv)
     n = len(block_ids)
     k, v = _gather()(kv.k, kv.v, _padded_ids(block_ids))
     return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
@@ -56,6 +66,7 @@ def scatter_blocks(kv: KVCache, block_ids: Sequence[int], k: np.ndarray,
     """`kv` with blocks `block_ids` holding `k` and `v` ([L, n, bs, K, D'], n = len(ids),
     the cache's dtype); the ids must be distinct (one write per block).  `kv` is donated: use
     the returned cache."""
+    _check_addressable(kv)
     n = len(block_ids)
     want = (kv.k.shape[0], n, *kv.k.shape[2:])
     for name, a in (("k", k), ("v", v)):
