@@ -52,7 +52,7 @@ def _serve_or_worker(command: str, argv: list[str]) -> int:
         from xlaserve.serving.http.server import serve_main
 
         return serve_main(argv)
-    from xlaserve.serving.grpc.server import worker_main
+    from xlaserve.serving.grpc.worker import worker_main
 
     return worker_main(argv)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV
-from xlaserve.serving.grpc.server import worker_main
+from xlaserve.serving.grpc.worker import worker_main
 from xlaserve.serving.http.server import serve_main
 
 SPLIT = """

@@ -27,7 +27,7 @@ from tests.serving.grpc.grpc_worker import Worker
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
 from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV, WorkerAuth, channel_credentials
-from xlaserve.serving.grpc.server import worker_main
+from xlaserve.serving.grpc.worker import worker_main
 from xlaserve.serving.http.server import build_model_engines
 from xlaserve.serving.server_config import GrpcClientConfig, ServedModel, ServerConfig
 

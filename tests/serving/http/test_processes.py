@@ -50,7 +50,7 @@ name = "fake"
 path = "{model_dir}"
 replicas = ["grpc://127.0.0.1:{wport}"]
 """)
-    worker = spawn("xlaserve.serving.grpc.server.worker_main",
+    worker = spawn("xlaserve.serving.grpc.worker.worker_main",
                    ["--config", str(tmp_path / "worker.toml"), "--model", "fake",
                     "--port", str(wport)])
     server = None

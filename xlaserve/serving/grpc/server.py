@@ -11,8 +11,9 @@ request id stays reserved (another Generate with it gets ALREADY_EXISTS) until i
 abort is in the engine's hands; the engine then holds a request reusing the id until it has
 let go of the old one.
 
-`worker_main` runs a local engine behind this server (`xlaserve worker`), the replica a
-front-end router reaches through `RemoteEngine`.  This is the internal, worker-side protocol:
+`serving/grpc/worker.py` runs a local engine behind this server (`xlaserve worker`), the
+replica a front-end router reaches through `RemoteEngine`.  This is the internal, worker-side
+protocol:
 it has no gateway (no JWT, no rate limits, tenant and tier are the caller's word), so public
 traffic goes through the HTTP front end and the worker admits only the front end: TLS, client
 certificates and a bearer token (`WorkerAuth`, drawn in auth.py).  Without credentials it
@@ -21,14 +22,11 @@ binds loopback only; the flags are checked before the engine is built.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
 import logging
 import secrets
-import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -38,13 +36,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from xlaserve.serving.config_file import with_model_overrides
 from xlaserve.serving.disagg.transfer import PrefixFetcher, to_messages
 from xlaserve.serving.engine.kv_handoff import export_prefix, import_prefix
 from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
-from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV, WorkerAuth, channel_credentials
+from xlaserve.serving.grpc.auth import WorkerAuth
 from xlaserve.serving.grpc.convert import (
     event_to_pb,
     sampling_from_pb,
@@ -52,7 +49,7 @@ from xlaserve.serving.grpc.convert import (
     stats_to_pb,
     tier_from_pb,
 )
-from xlaserve.serving.server_config import ServedModel, target_host
+from xlaserve.serving.server_config import target_host
 from xlaserve.serving.telemetry import Telemetry
 from xlaserve.serving.types import EngineEvent, GenerationRequest, KVHandoff, Usage
 
@@ -326,95 +323,3 @@ async def serve_grpc(engines: Mapping[str, AsyncEngine], address: str,
         await server.stop(5)
         if telemetry is not None:
             telemetry.shutdown()
-
-
-def _parse_worker_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="xlaserve worker",
-        epilog="Credentials (see xlaserve/serving/grpc/auth.py): without a token or "
-               "--tls-client-ca the worker binds loopback only; beyond loopback it needs TLS.")
-    p.add_argument("--config", required=True)
-    p.add_argument("--model", required=True, help="model name or name@version in the config")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--role", choices=ROLES, default="both",
-                   help="the part of split requests it takes (serving/disagg/): prefill "
-                        "(prompt to first token, exports KV), decode (fetches KV, decodes), "
-                        "both (either, and whole requests)")
-    p.add_argument("--dtype", help="weight dtype (auto | float32 | bfloat16 | float16; auto: "
-                                   "float32 on CPU, bfloat16 on GPU): sets the model's dtype")
-    p.add_argument("--tls-cert", default="", metavar="PEM",
-                   help="certificate (chain): serve TLS")
-    p.add_argument("--tls-key", default="", metavar="PEM", help="private key of --tls-cert")
-    p.add_argument("--tls-client-ca", default="", metavar="PEM",
-                   help="CA certificate: require client certificates it signed (mTLS)")
-    p.add_argument("--token-env", metavar="NAME",
-                   help=f"environment variable holding the bearer token every call must "
-                        f"carry (default: ${DEFAULT_TOKEN_ENV}, if set; a NAME given here "
-                        f"must be set)")
-    return p.parse_args(argv)
-
-
-def _worker_auth(args: argparse.Namespace) -> WorkerAuth:
-    """The credentials the flags name, refusing a bind they do not make safe."""
-    auth = WorkerAuth.load(args.tls_cert, args.tls_key, args.tls_client_ca, args.token_env)
-    auth.check_bind(args.host)
-    return auth
-
-
-async def _build_engine(m: ServedModel) -> AsyncEngine:
-    """The one local engine replica of `m`, built by its `engine` factory."""
-    from xlaserve.serving.http.server import _import
-
-    if not m.engine:
-        raise ValueError(f"models[{m.id}] has no engine factory ('module:function')")
-    built = _import(m.engine)(m)
-    engine = await built if asyncio.iscoroutine(built) else built
-    if isinstance(engine, (list, tuple)):  # factories build one engine per mesh replica
-        if len(engine) != 1:
-            raise ValueError(f"models[{m.id}]: a worker serves one replica, the factory "
-                             f"built {len(engine)} (engine_args.mesh.replicas)")
-        engine = engine[0]
-    return engine
-
-
-async def _serve_worker(args: argparse.Namespace, auth: WorkerAuth) -> None:
-    from xlaserve.serving.disagg.workers import refuse_multiprocess_worker
-    from xlaserve.serving.http.server import load_serve_config
-    from xlaserve.sharding.distributed import DistributedConfig
-
-    loaded, table = load_serve_config(args.config)
-    layout = DistributedConfig.resolve(table)
-    refuse_multiprocess_worker(args.role, layout.num_processes if layout else 1)
-    config = with_model_overrides(loaded, dtype=args.dtype)
-    matches = [m for m in config.models if args.model in (m.id, m.name)]
-    if not matches:
-        raise ValueError(f"--model {args.model!r} not in {[m.id for m in config.models]}")
-    m = matches[0]
-    engine = await _build_engine(m)
-    shutdown = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, shutdown.set)
-    # a decode worker dials the prefill workers it fetches KV from as the front end dials
-    # its workers: the [grpc] table of the same config
-    fetcher = PrefixFetcher(lambda target: channel_credentials(config.grpc, target))
-    await serve_grpc({m.name: engine}, f"{args.host}:{args.port}", shutdown, auth,
-                     Telemetry.from_config(config.tracing), fetcher, args.role)
-
-
-def worker_main(argv: list[str] | None = None) -> int:
-    """`xlaserve worker --config C --model NAME[@VERSION] [--host H] [--port P] [--tls-cert
-    PEM --tls-key PEM [--tls-client-ca PEM]] [--token-env NAME]`: check the credentials, then
-    build the model's local engine (its `engine` factory in the config) and serve it over
-    gRPC.  Exit code 2 for a bad flag, config or credential."""
-    args = _parse_worker_args(argv)
-    try:
-        auth = _worker_auth(args)   # before the engine: that takes minutes to build
-        asyncio.run(_serve_worker(args, auth))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"xlaserve worker: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
