@@ -24,12 +24,12 @@ def _bar(desc: str, quiet: bool):
 
 def quantized(config: ModelConfig, params: dict, quantize: str | None
               ) -> tuple[ModelConfig, dict]:
-    """The converted parameters as the folder stores them: float, or `quantize` ("int8");
-    entries already quantized (GGUF Q8_0 read as int8) are kept as they are."""
+    """The converted parameters as the folder stores them: float, or `quantize` ("int8",
+    "fp8"); entries already quantized (GGUF Q8_0 read as int8) are kept as they are."""
     check_quantization(quantize, "--quantize")
     if quantize is None:
         return config, params
-    return config.replace(quantization=quantize), quantize_params(params)
+    return config.replace(quantization=quantize), quantize_params(params, quantize)
 
 
 def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
