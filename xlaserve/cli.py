@@ -67,9 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="output model folder")
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
-    c.add_argument("--quantize", choices=["int8"], default=None,
-                   help="store the layer matrices as int8 with per-output-channel scales "
-                        "(weight-only; a float folder can also be quantized at load)")
+    c.add_argument("--quantize", choices=["int8", "fp8"], default=None,
+                   help="store the layer matrices as int8 (or fp8 e4m3, a GPU option) with a "
+                        "float32 scale per 32 weights along K (weight-only; a float folder can "
+                        "also be quantized at load); GGUF Q8_0 tensors are copied into int8 "
+                        "as they are")
     c.set_defaults(fn=_convert)
 
     g = sub.add_parser("generate", help="generate from one prompt, streamed to the terminal")

@@ -23,10 +23,15 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert report["interpret"] is True
     ops = {(r["op"], r["dtype"]) for r in report["correctness"]}
     assert {("pallas", "float32"), ("pallas", "bfloat16"), ("jax_pallas_gpu", "float32")} <= ops
-    for section in ("correctness", "kernels", "model"):
+    for section in ("correctness", "kernels", "model", "fp8"):
         assert report[section] and all(r["status"] == "ok" for r in report[section]), section
     assert {r["backend"] for r in report["model"]} == {"reference", "pallas"}
+    # fp8 weights and KV (a GPU option, the jnp path here): checked, timed and served
+    assert {r["check"] for r in report["fp8"]} == {"fp8 weight matmul", "fp8 KV pallas decode",
+                                                   "weight matmul time"}
+    assert {r["format"] for r in report["fp8"] if "format" in r} == {"bfloat16", "int8", "fp8"}
+    assert "fp8 weights, float8_e4m3fn KV" in {r["variant"] for r in report["model"]}
     assert all(r["bytes_per_s"] > 0 for r in report["kernels"])
     # The table comes last.
     tail = proc.stdout.strip().splitlines()
-    assert tail[-1].startswith("tiny 2-layer") and "tok/s" in "\n".join(tail[-6:])
+    assert tail[-1].startswith("tiny 2-layer") and "tok/s" in tail[-len(report["model"]) - 1]

@@ -148,3 +148,83 @@ def test_smollm2_int8_quality_against_float32(smollm2, kv_dtype) -> None:
     assert got["tokens"] == 768
     assert got["top1_agreement"] >= 0.98
     assert abs(got["ppl_quantized"] / got["ppl_float"] - 1) <= 0.02
+
+
+# -- fp8 (e4m3) weights: a GPU option, run here through the jnp path (test-only override) ----
+
+TINY_FP8 = TINY.replace(quantization="fp8")
+
+
+def test_fp8_weights_store_restore_and_match_their_dequantized_float_model(
+        tmp_path, monkeypatch) -> None:
+    """The fp8 pytree (q float8_e4m3fn, float32 scales, int8's groups) saves and restores
+    through orbax, a float folder quantizes to the same bytes as it loads, the jnp forward
+    equals the float model of the dequantized weights, and serving it on CPU is refused
+    without the override, naming the option."""
+    from xlaserve.kernels.quantized import FP8_ON_CPU_ENV
+    from xlaserve.serving.loading import load_model
+
+    params = init_params(TINY_FP8.replace(tie_word_embeddings=False), seed=1)
+    for path, a in jax.tree_util.tree_leaves_with_path(params):
+        assert a.dtype == np.dtype(leaf_dtype(path, "float32", "fp8")), jax.tree_util.keystr(path)
+    assert params["layers"]["wq"]["q"].dtype == jnp.float8_e4m3fn
+
+    mesh = make_mesh()
+    float_params = init_params(TINY, seed=2, scale=0.2)
+    want = quantize_params(float_params, "fp8")
+    for folder, stored, config in (("float", float_params, TINY), ("fp8", want, TINY_FP8)):
+        (tmp_path / folder).mkdir()
+        save_params(tmp_path / folder, stored)
+        config.save(tmp_path / folder / "config.json")
+        got = load_params(tmp_path / folder, load_config(tmp_path / folder, quantization="fp8"),
+                          mesh)
+        for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got),
+                                jax.tree_util.tree_leaves(want)):
+            assert g.dtype == w.dtype, (folder, jax.tree_util.keystr(path))
+            g = np.asarray(g)
+            if folder == "fp8":            # restored as stored
+                np.testing.assert_array_equal(g.view(np.uint8) if g.itemsize == 1 else g,
+                                              w.view(np.uint8) if w.itemsize == 1 else w)
+            elif g.dtype == jnp.float8_e4m3fn:   # on device x / s may round one code off
+                codes = g.view(np.uint8).astype(np.int32) - w.view(np.uint8).astype(np.int32)
+                assert np.abs(codes).max() <= 1 and (codes == 0).mean() > 0.99
+            else:
+                np.testing.assert_allclose(g, w, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"quantization='fp8' \(model .*fp8\) is a GPU option"):
+        load_model(tmp_path / "fp8")
+
+    monkeypatch.setenv(FP8_ON_CPU_ENV, "1")
+    tokens = jnp.arange(8, dtype=jnp.int32)
+    positions, meta = one_row_metadata(np.arange(1, 3, dtype=np.int32), 0, 7, 8, 8)
+    meta = AttentionMetadata(*(jnp.asarray(a) for a in meta))
+    logits = {}
+    for name, p, config in (("fp8", want, TINY_FP8), ("float", dequantized(want), TINY)):
+        out, _ = forward(p, config, tokens, jnp.asarray(positions), init_kv_cache(config, 4, 8),
+                         meta, attention_backend="reference")
+        logits[name] = np.asarray(out)[:7]
+    np.testing.assert_allclose(logits["fp8"], logits["float"], rtol=1e-5,
+                               atol=1e-5 * np.abs(logits["float"]).max())
+
+
+def test_smollm2_fp8_quality_against_float32(smollm2, monkeypatch) -> None:
+    """fp8 weights and the fp8 KV cache through the jnp path on CPU (the override),
+    teacher-forced on 512 corpus tokens.  fp8 misses int8's bar (top-1 >= 98%): measured on
+    the whole corpus (BENCHMARKS.md, "fp8") fp8 weights agree with float32 on 93.7% of next
+    tokens at +2.0% perplexity; e4m3 keeps 3 mantissa bits, so every weight moves by up to
+    6%, where int8's 127 steps per group of 32 move the large ones by < 0.4%.  The bounds
+    here guard that measured level (this slice: ~92%, +3%), not the int8 bar."""
+    from xlaserve.bench.quality import CORPUS, teacher_forced
+    from xlaserve.kernels.quantized import FP8_ON_CPU_ENV
+    from xlaserve.serving.loading import LoadedModel
+
+    monkeypatch.setenv(FP8_ON_CPU_ENV, "1")
+    config = smollm2.config.replace(quantization="fp8")
+    fp8 = LoadedModel(config, jax.jit(lambda p: quantize_params(p, "fp8"))(smollm2.params),
+                      smollm2.tokenizer, smollm2.mesh)
+    ids = smollm2.tokenizer.encode(CORPUS.read_text())[:513]
+    got = teacher_forced((smollm2, fp8), ids, window=256, backend="reference",
+                         kv_dtypes=(None, "float8_e4m3fn"))
+    print(f"SmolLM2 fp8 weights + fp8 KV: {got}")
+    assert got["tokens"] == 512
+    assert got["top1_agreement"] >= 0.90
+    assert abs(got["ppl_quantized"] / got["ppl_float"] - 1) <= 0.05

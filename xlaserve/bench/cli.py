@@ -108,9 +108,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--breakdown", action="store_true",
                    help="rerun engine and static timing every device call per bucket "
                    "(calls waited for: not the headline numbers)")
-    o.add_argument("--quantization", choices=["int8"], default=None,
+    o.add_argument("--quantization", choices=["int8", "fp8"], default=None,
                    help="int8 weights (a float folder is quantized as it loads)")
-    o.add_argument("--kv-cache-dtype", choices=["int8"], default=None,
+    o.add_argument("--kv-cache-dtype", choices=["int8", "fp8"], default=None,
                    help="an int8 KV cache instead of the model's dtype")
     o.set_defaults(fn=_offline)
 
@@ -128,9 +128,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--chunks", default="64,128,256,512", help="prefill chunk lengths")
     st.add_argument("--repeats", type=int, default=10)
     st.add_argument("--backend", default="auto", help="attention backend (see kernels/)")
-    st.add_argument("--quantization", choices=["int8"], default=None,
+    st.add_argument("--quantization", choices=["int8", "fp8"], default=None,
                     help="serve the weights int8 (a float folder is quantized as it loads)")
-    st.add_argument("--kv-cache-dtype", choices=["int8"], default=None,
+    st.add_argument("--kv-cache-dtype", choices=["int8", "fp8"], default=None,
                     help="an int8 KV cache (rows with their scales) instead of the model's")
     st.add_argument("--breakdown", action="store_true",
                     help="also time each part of every step alone (weights, attention, head, "
@@ -142,10 +142,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "perplexity, top-1 agreement, logit error, greedy chat agreement")
     q.add_argument("--model", required=True, help="float model folder written by `xlaserve "
                    "convert` (quantized as it loads)")
-    q.add_argument("--quantization", default="int8", choices=["int8", "none"],
+    q.add_argument("--quantization", default="int8", choices=["int8", "fp8", "none"],
                    help="weights (none: float32 weights, to measure the KV cache alone)")
-    q.add_argument("--kv-cache-dtype", choices=["int8"], default=None,
-                   help="also run the quantized side on an int8 KV cache")
+    q.add_argument("--kv-cache-dtype", choices=["int8", "fp8"], default=None,
+                   help="also run the quantized side on an int8 (or fp8) KV cache")
     q.add_argument("--window", type=int, default=256, help="tokens per teacher-forced window")
     q.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per chat answer")
     q.add_argument("--backend", default="auto", help="attention backend (see kernels/)")

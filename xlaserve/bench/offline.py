@@ -53,7 +53,7 @@ class OfflineOptions:
     copy_bytes: int = 512 << 20      # bandwidth probe array size
     breakdown: bool = False          # rerun engine/static with per-bucket call timing
     quantization: str | None = None  # "int8": int8 weights (quantized as the model loads)
-    kv_cache_dtype: str | None = None   # "int8": an int8 KV cache
+    kv_cache_dtype: str | None = None   # "int8" | "fp8": a quantized KV cache
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]

@@ -151,14 +151,17 @@ def greedy_agreement(models: tuple[LoadedModel, LoadedModel], max_tokens: int,
 def quality_report(folder: str | Path, quantization: str | None = "int8", window: int = 256,
                    max_tokens: int = 48, backend: str = "auto",
                    kv_cache_dtype: str | None = None) -> QualityReport:
-    """`folder`'s model with int8 weights (`quantization`) and / or an int8 KV cache
-    (`kv_cache_dtype`) against itself in float32."""
+    """`folder`'s model with int8 or fp8 weights (`quantization`) and / or an int8 or fp8 KV
+    cache (`kv_cache_dtype`) against itself in float32."""
+    from xlaserve.models.quantize import kv_cache_dtype_name
+
     base = load_model(folder, dtype="float32")
     quant = load_model(folder, dtype="float32", quantization=quantization)
     ids = base.tokenizer.encode(CORPUS.read_text())
-    tf = teacher_forced((base, quant), ids, window, backend, kv_dtypes=(None, kv_cache_dtype))
+    kv = kv_cache_dtype_name(kv_cache_dtype) if kv_cache_dtype else None
+    tf = teacher_forced((base, quant), ids, window, backend, kv_dtypes=(None, kv))
     identical, prefix = greedy_agreement((base, quant), max_tokens, backend,
-                                         kv_dtypes=(None, kv_cache_dtype))
+                                         kv_dtypes=(None, kv))
     what = " + ".join([f"{quantization} weights"] * bool(quantization)
                       + [f"{kv_cache_dtype} KV"] * bool(kv_cache_dtype)) or "float32"
     return QualityReport(

@@ -312,12 +312,13 @@ def step_main(model_dir: str, *, decode_batches: list[int], width: int, context:
                                     num_kv_blocks=most * blocks + 2, max_num_seqs=most,
                                     max_num_batched_tokens=max(max(prefill_chunks, default=16),
                                                                most + 1),
-                                    attention_backend=backend)
+                                    attention_backend=backend,
+                                    kv_cache_dtype=kv_cache_dtype or "auto")
     runner = ModelRunner(model.params, model.config, model.mesh,
                          num_blocks=config.scheduler.num_kv_blocks,
                          block_size=config.scheduler.block_size,
                          max_num_seqs=config.scheduler.max_num_seqs, buckets=config.bucket_plan,
-                         attention_backend=config.attention_backend, kv_dtype=kv_cache_dtype)
+                         attention_backend=config.attention_backend, kv_dtype=config.kv_dtype)
     report = run_steps(runner, decode_batches=decode_batches, width=width, context=context,
                        prefill_chunks=prefill_chunks, repeats=repeats, breakdown=breakdown)
     print(format_report(report), flush=True)

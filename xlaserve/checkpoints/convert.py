@@ -24,11 +24,12 @@ def _bar(desc: str, quiet: bool):
 
 def quantized(config: ModelConfig, params: dict, quantize: str | None
               ) -> tuple[ModelConfig, dict]:
-    """The converted parameters as the folder stores them: float, or `quantize` ("int8")."""
+    """The converted parameters as the folder stores them: float, or `quantize` ("int8",
+    "fp8"); entries already quantized (GGUF Q8_0 read as int8) are kept as they are."""
     check_quantization(quantize, "--quantize")
     if quantize is None:
         return config, params
-    return config.replace(quantization=quantize), quantize_params(params)
+    return config.replace(quantization=quantize), quantize_params(params, quantize)
 
 
 def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
@@ -39,7 +40,10 @@ def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
     model = read_gguf(src)
     config = model.config
     with atomic_folder(out, overwrite, src) as tmp:
-        params = params_from_hf(config, model.get, _bar(f"dequantizing {Path(src).name}", quiet))
+        # --quantize int8: Q8_0 matrices are copied as the int8 they are (gguf_file.py)
+        get_int8 = model.get_int8 if quantize == "int8" else None
+        params = params_from_hf(config, model.get, _bar(f"reading {Path(src).name}", quiet),
+                                get_int8)
         config, params = quantized(config, params, quantize)
         save_params(tmp, params)
         try:

@@ -4,6 +4,13 @@ Tensors come back under Hugging Face names and layouts; llama.cpp's q/k row perm
 interleaves the two rotary halves of each head, `llama` architecture only) is undone so that the
 HF "rotate half" RoPE applies.
 
+`GGUFModel.get` dequantizes any tensor type to float32.  `GGUFModel.get_int8` reads a Q8_0
+tensor as it is stored: a Q8_0 block is 32 int8 weights along the row (GGUF's ne0, the
+matmul's contraction axis) and one float16 scale d, w = d * q, which is xlaserve's int8 format
+(kernels/quantized.py, groups of 32 along K): q comes back as the file's bytes and d widened to
+float32, never through a float weight.  Un-permuting q/k rows moves whole rows, so each row's
+scales move with it.
+
 Mixture-of-experts files: llama.cpp writes Mixtral as `llama` with `llama.expert_count`, and
 Qwen2-MoE / Qwen3-MoE / OLMoE as `qwen2moe` / `qwen3moe` / `olmoe` (whose `attn_q_norm` /
 `attn_k_norm` span every head: [H*D], [K*D]).  Each layer's experts are one stacked tensor
@@ -79,6 +86,26 @@ class GGUFModel:
             raise CheckpointError(f"{self.path}: cannot dequantize {t.name} "
                                   f"({t.tensor_type.name}): {e}") from e
         return np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+
+    def get_int8(self, hf_name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """A Q8_0 tensor as (q [out, in] int8, scale [out, in / 32] float32), the file's
+        values (q/k rows un-permuted like `get`); None for any other type (or an expert)."""
+        import gguf
+
+        t = self.tensors.get(hf_name)
+        if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+            return None
+        shape = [int(x) for x in reversed(t.shape)]                      # [out, in]
+        block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]                # 32 weights, 34 B
+        blocks = np.asarray(t.data, np.uint8).reshape(-1, size)           # [out * in / 32, 34]
+        d = blocks[:, :2].copy().view(np.float16)[:, 0].astype(np.float32)
+        q = blocks[:, 2:].copy().view(np.int8)                            # [out * in / 32, 32]
+        q, d = q.reshape(shape), d.reshape(*shape[:-1], shape[-1] // block)
+        if self.permuted_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self.config.num_heads if hf_name.endswith("q_proj.weight") \
+                else self.config.num_kv_heads
+            q, d = _unpermute(q, heads), _unpermute(d, heads)
+        return q, d
 
     def get(self, hf_name: str) -> np.ndarray:
         if hf_name in self.experts:   # experts are read in order: dequantize each stack once

@@ -8,7 +8,7 @@
 
 Loading restores each array straight into its target sharding on the mesh: orbax reads only the
 slices a device holds, so no host ever materialises a full copy of a sharded parameter.  A
-quantized folder (`xlaserve convert --quantize int8`) holds each layer matrix as {"q", "scale"}
+quantized folder (`xlaserve convert --quantize int8|fp8`) holds each layer matrix as {"q", "scale"}
 (models/quantize.py); a float folder served quantized is quantized on the devices as it loads.
 """
 
@@ -19,6 +19,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -100,8 +101,8 @@ def save_params(folder: Path, params: Params) -> None:
 
 def load_config(folder: str | Path, dtype: str | None = None,
                 quantization: str | None = None) -> ModelConfig:
-    """The model folder's config, to be served in `dtype` and with `quantization` ("int8":
-    a float checkpoint is quantized as it loads, load_params) where they are given."""
+    """The model folder's config, to be served in `dtype` and with `quantization` ("int8",
+    "fp8": a float checkpoint is quantized as it loads, load_params) where they are given."""
     folder = Path(folder)
     path = folder / CONFIG_FILE
     if not path.exists():
@@ -148,4 +149,5 @@ def load_params(folder: str | Path, config: ModelConfig, mesh: Mesh) -> Params:
         return params
     # A float checkpoint served quantized: quantized where it lies, each scale computed over
     # its channel's (possibly sharded) contracted axes, the result in the quantized layout.
-    return jax.jit(quantize_params, out_shardings=layout.param_shardings(mesh))(params)
+    return jax.jit(partial(quantize_params, mode=config.quantization),
+                   out_shardings=layout.param_shardings(mesh))(params)

@@ -29,7 +29,7 @@ from xlaserve.kernels import paged_attention as decode_op
 from xlaserve.kernels import prefill_attention as prefill_op
 from xlaserve.kernels import ragged_attention as ragged_op
 from xlaserve.kernels.cpu import build
-from xlaserve.kernels.kv_quant import is_int8
+from xlaserve.kernels.kv_quant import has_row_scales
 
 BACKENDS = ("reference", "cpu", "pallas", "triton", "auto")
 PIECE = 16   # query tokens per row of the Pallas prefill kernel for a flat batch
@@ -110,7 +110,7 @@ def _by_rows(q, k_flat, v_flat, layer, token_rows, positions, block_tables, *, n
     r = block_tables.shape[0]
     kvh = k_flat.shape[1]
     cache_shape = (k_flat.shape[0] // (num_blocks * block_size), num_blocks, block_size, kvh,
-                   k_flat.shape[2])   # D, or D + 4 for int8 rows
+                   k_flat.shape[2])   # D, or D + 4 for int8 / fp8 rows
     k_cache, v_cache = k_flat.reshape(cache_shape), v_flat.reshape(cache_shape)
     interpret = jax.default_backend() == "cpu"
     window = {"sliding_window": sliding_window, "soft_cap": soft_cap}
@@ -118,9 +118,9 @@ def _by_rows(q, k_flat, v_flat, layer, token_rows, positions, block_tables, *, n
     def decode(_: None) -> jax.Array:   # token i is row i's only token (or padding)
         lens = jnp.where(token_rows >= 0, positions + 1, 0)
         if backend == "triton":
-            if is_int8(k_cache.dtype):
-                raise ValueError("attention_backend 'triton' reads float caches only, not the "
-                                 "int8 KV cache; use 'pallas'")
+            if has_row_scales(k_cache.dtype):
+                raise ValueError(f"attention_backend 'triton' reads float caches only, not "
+                                 f"the {k_cache.dtype} KV cache; use 'pallas'")
             if sliding_window is not None:
                 raise ValueError("attention_backend 'triton' has no sliding-window decode "
                                  f"(sliding_window={sliding_window}); use 'pallas'")

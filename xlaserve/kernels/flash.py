@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from xlaserve.kernels.kv_quant import dequantize_rows, is_int8
+from xlaserve.kernels.kv_quant import dequantize_rows, has_row_scales
 
 # Finite, so that exp(MASK - MASK) on a never-visited row is 1 rather than NaN; the rows it
 # touches have l == 0 and are written as zeros.
@@ -45,7 +45,7 @@ def load_kv_pages(
     ids = jnp.where(page_idx < num_pages, ids, 0)
     ids = jnp.minimum(jnp.maximum(ids, 0), num_blocks - 1)
     block = cache_ref[layer, ids, :, kv_head, :]                              # [pages, bs, D']
-    if is_int8(block.dtype):      # int8 rows [.., D + 4] (kernels/kv_quant.py) -> float32
+    if has_row_scales(block.dtype):   # int8 / fp8 rows [.., D + 4] (kv_quant.py) -> float32
         block = dequantize_rows(block)
     return block.reshape(pages * bs, block.shape[-1])
 

@@ -95,6 +95,10 @@ def pack_weight(w: jax.Array | QuantizedWeight) -> PackedWeight:
         return padded.reshape(layers, w.shape[1], t, tn).transpose(0, 2, 1, 3)
 
     if isinstance(w, QuantizedWeight):   # scales [L, K / G, N] -> [L, T, K / G, TN]
+        if w.q.dtype != jnp.int8:
+            raise ValueError(f"pack_weight: the CPU kernels read int8 or float32 panels, not "
+                             f"{w.q.dtype} (quantization='fp8' runs the jnp path: "
+                             f"attention_backend='reference')")
         return PackedWeight(pack(w.q), n, pack(w.scale))
     return PackedWeight(pack(w), n)
 

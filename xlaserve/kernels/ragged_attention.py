@@ -26,8 +26,12 @@ import numpy as np
 from xlaserve.kernels.cpu import build
 from xlaserve.kernels.flash import MASK_VALUE
 from xlaserve.kernels.kv_quant import from_cache_rows, head_dim_of
-from xlaserve.kernels.validation import (CACHE_DTYPES, check_sliding_window, check_soft_cap,
-                                         is_concrete)
+from xlaserve.kernels.validation import (
+    CACHE_DTYPES,
+    check_sliding_window,
+    check_soft_cap,
+    is_concrete,
+)
 
 REFERENCE_CHUNK = 16   # tokens per gather in the reference: 16 x W*bs x KVH x D floats at once
 
@@ -108,7 +112,7 @@ def check_ragged_inputs(q: jax.Array, k_flat: jax.Array, v_flat: jax.Array, laye
         raise ValueError(f"k_flat and v_flat must be one [L*N*bs, KVH, D] shape, got "
                          f"{k_flat.shape} and {v_flat.shape}")
     if k_flat.dtype != v_flat.dtype or k_flat.dtype not in CACHE_DTYPES:
-        raise TypeError(f"cache dtypes must match and be float or int8, got {k_flat.dtype} "
+        raise TypeError(f"cache dtypes must match and be float, int8 or fp8, got {k_flat.dtype} "
                         f"and {v_flat.dtype}")
     t, h, d = q.shape
     rows_total, kvh = k_flat.shape[:2]
@@ -171,7 +175,8 @@ def ragged_attention(
     soft_cap = check_soft_cap(soft_cap)
     sliding_window = check_sliding_window(sliding_window)
     if not kernel_available(q.dtype) or k_flat.dtype not in (jnp.float32, jnp.int8):
-        reason = build.load_error() or f"it runs float32 on CPU (got {q.dtype} on " \
+        reason = build.load_error() or f"it runs float32 on CPU over a float32 or int8 cache " \
+                                        f"(got {q.dtype} over {k_flat.dtype} on " \
                                         f"{jax.default_backend()})"
         raise ValueError(f"the CPU attention kernel is not available: {reason}")
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)

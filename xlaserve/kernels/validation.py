@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.kernels.kv_quant import head_dim_of, is_int8
+from xlaserve.kernels.kv_quant import has_row_scales, head_dim_of
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# A cache is float, or int8 rows with their scales inside (kernels/kv_quant.py).
-CACHE_DTYPES = (*FLOAT_DTYPES, jnp.dtype(jnp.int8))
+# A cache is float, or int8 / fp8 rows with their scales inside (kernels/kv_quant.py).
+CACHE_DTYPES = (*FLOAT_DTYPES, jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 def is_concrete(x: Any) -> bool:
@@ -54,7 +54,7 @@ def check_q_heads(q: jax.Array, k_cache: jax.Array) -> None:
         raise ValueError(f"head_dim of q ({d}) != head_dim of the cache ({dk})")
     if h % kvh:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
-    if q.dtype != k_cache.dtype and not is_int8(k_cache.dtype):
+    if q.dtype != k_cache.dtype and not has_row_scales(k_cache.dtype):
         raise TypeError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
 
 

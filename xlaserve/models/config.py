@@ -49,7 +49,8 @@ class ModelConfig:
     dtype: str = "float32"
     sliding_window: int | None = None  # Mistral: attend to the last this many positions
     # None: every parameter in `dtype`; "int8": the layer matrices (and an untied lm_head)
-    # weight-only int8 with per-output-channel scales (models/quantize.py).
+    # weight-only int8 with a scale per 32 weights along K; "fp8": the same as float8_e4m3fn,
+    # a GPU option (models/quantize.py).
     quantization: str | None = None
     # Mixture of experts (models/moe.py); num_experts = 0 is the dense SwiGLU MLP.
     num_experts: int = 0                     # experts per layer (HF num_local_experts)
@@ -83,8 +84,8 @@ class ModelConfig:
                              f"{self.sliding_window!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"ModelConfig.quantization must be None or 'int8', got "
+        if self.quantization not in (None, "int8", "fp8"):
+            raise ValueError(f"ModelConfig.quantization must be None, 'int8' or 'fp8', got "
                              f"{self.quantization!r}")
         self._check_moe()
         if self.qk_norm_span not in ("head", "all"):
@@ -123,7 +124,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.shared_expert_intermediate_size must be an int >= 0, "
                              f"got {shared!r}")
         if self.quantization is not None:
-            raise ValueError(f"ModelConfig.quantization={self.quantization!r}: int8 weights "
+            raise ValueError(f"ModelConfig.quantization={self.quantization!r}: quantized weights "
                              f"are not supported for mixture-of-experts models yet")
 
     @property

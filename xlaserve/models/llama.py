@@ -136,7 +136,8 @@ def init_params(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> Para
     rng = np.random.default_rng(seed)
     dtype = jnp.dtype(config.dtype)
     if config.quantization:
-        return quantize_params(init_params(config.replace(quantization=None), seed, scale))
+        return quantize_params(init_params(config.replace(quantization=None), seed, scale),
+                               config.quantization)
 
     def make(path: tuple[Any, ...], shape: tuple[int, ...]) -> np.ndarray:
         name = path[-1].key

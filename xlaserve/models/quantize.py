@@ -6,6 +6,8 @@
       axis, or its innermost part for wo);
       norms and the embedding table stay float (the table is gathered, not streamed; the CPU
       backend quantizes its packed copy of a tied output head at load, models/llama.pack_params)
+    ModelConfig.quantization = "fp8"   the same matrices and groups with q float8_e4m3fn
+      (scale = max |w| / 448): a GPU option, refused on the CPU backend (kernels/quantized.py)
 
 The same map changes shapes, logical axes and dtypes (`quantized_tree`), so checkpoints,
 layouts and shardings follow the quantized pytree with no special case: a scale has its
@@ -18,7 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "fp8")
+# What each quantization stores its q in (its scales are float32).
+Q_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn"}
+# The KV cache dtypes served by name (engine kv_cache_dtype, bench --kv-cache-dtype) that are
+# not jax dtype names: fp8 rows are float8_e4m3fn with their scale inside (kernels/kv_quant.py).
+KV_CACHE_ALIASES = {"fp8": "float8_e4m3fn"}
 
 # The axis each quantizable matrix is grouped along (as stored, models/llama.param_shapes).
 GROUP_AXIS: dict[str, int] = {
@@ -58,20 +65,29 @@ def quantized_axes(axes: dict[str, Any]) -> dict[str, Any]:
     return quantized_tree(axes, lambda a, _: {"q": a, "scale": a})
 
 
-def quantize_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Float parameters -> int8 ones (numpy in, numpy out; jax arrays under jit stay on
-    their devices).  Already quantized entries are left as they are."""
-    from xlaserve.kernels.quantized import quantize_int8  # jax: this module stays free of it
+def quantize_params(params: dict[str, Any], mode: str = "int8") -> dict[str, Any]:
+    """Float parameters -> `mode` ("int8" | "fp8") ones (numpy in, numpy out; jax arrays under
+    jit stay on their devices).  Already quantized entries are left as they are."""
+    from xlaserve.kernels.quantized import QUANTIZERS  # jax: this module stays free of it
 
+    if mode not in QUANTIZERS:
+        raise ValueError(f"quantize_params: mode={mode!r}, choose from {sorted(QUANTIZERS)}")
+    quantize = QUANTIZERS[mode]
     return quantized_tree(
-        params, lambda w, c: w if isinstance(w, dict) else quantize_int8(w, c))
+        params, lambda w, c: w if isinstance(w, dict) else quantize(w, c))
 
 
-def leaf_dtype(path: tuple[Any, ...], dtype: str) -> str:
-    """The dtype of the parameter at `path` (a jax key path): int8 for a quantized q, float32
-    for its scale, `dtype` for everything else."""
+def kv_cache_dtype_name(name: str) -> str:
+    """A served KV cache dtype ("fp8", "int8", "float32", ...) as a jax dtype name."""
+    return KV_CACHE_ALIASES.get(name, name)
+
+
+def leaf_dtype(path: tuple[Any, ...], dtype: str, quantization: str | None = "int8") -> str:
+    """The dtype of the parameter at `path` (a jax key path): `quantization`'s for a quantized
+    q (int8, float8_e4m3fn), float32 for its scale, `dtype` for everything else."""
     name = getattr(path[-1], "key", None)
     parent = getattr(path[-2], "key", None) if len(path) > 1 else None
     if parent in GROUP_AXIS or parent == "lm_head":
-        return {"q": "int8", "scale": "float32"}.get(name, dtype)
+        q = Q_DTYPES[quantization or "int8"]
+        return {"q": q, "scale": "float32"}.get(name, dtype)
     return dtype

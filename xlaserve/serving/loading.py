@@ -29,6 +29,10 @@ def load_model(folder: str | Path, *, dtype: str | None = None,
                quantization: str | None = None, mesh: Mesh | None = None) -> LoadedModel:
     config = load_config(folder, dtype, quantization)
     mesh = mesh or make_mesh()
+    if config.quantization == "fp8":   # a GPU option: refused on CPU (kernels/quantized.py)
+        from xlaserve.kernels.quantized import check_fp8_platform
+
+        check_fp8_platform(f"quantization='fp8' (model {folder})", mesh.devices.flat[0].platform)
     if config.dtype != "float32" and mesh.devices.flat[0].platform == "cpu":
         # Measured (BENCHMARKS.md, "dtypes on the CPU backend"): XLA:CPU runs bf16 scatters
         # as f32 over a converted copy of the whole operand, so every KV-cache write copies

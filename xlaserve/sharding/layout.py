@@ -128,7 +128,8 @@ class ShardLayout:
         dtype = self.model.dtype
         return jax.tree_util.tree_map_with_path(
             lambda path, shape, sharding: jax.ShapeDtypeStruct(
-                shape, jnp.dtype(leaf_dtype(path, dtype)), sharding=sharding),
+                shape, jnp.dtype(leaf_dtype(path, dtype, self.model.quantization)),
+                sharding=sharding),
             param_shapes(self.model), self.param_shardings(mesh), is_leaf=_is_axes)
 
     # -- placing arrays --------------------------------------------------------------------------

@@ -60,7 +60,8 @@ def device_bytes(layout: ShardLayout, num_blocks: int, block_size: int,
              "expert": layout.mesh.expert}
     leaves = jax.tree_util.tree_leaves_with_path(param_shapes(c),
                                                  is_leaf=lambda x: isinstance(x, tuple))
-    items = [jnp.dtype(leaf_dtype(path, c.dtype)).itemsize for path, _ in leaves]
+    items = [jnp.dtype(leaf_dtype(path, c.dtype, c.quantization)).itemsize
+             for path, _ in leaves]
     shapes = [s for _, s in leaves]
     specs = jax.tree_util.tree_leaves(layout.param_specs(),
                                       is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -13,7 +13,13 @@ skipped, so the run ends in time and still prints its table):
                   the jnp reference and JAX's own pallas.ops.gpu.paged_attention, and of the
                   prefill kernel against the reference; achieved bytes/s vs copy bandwidth
   4. model        models.llama.forward decode tokens/s with SmolLM2-135M shapes (random
-                  weights) at batch 1, 32, 256, per attention backend
+                  weights) at batch 1, 32, 256, per attention backend; then bf16 weights
+                  against int8 and fp8 (e4m3) weights, and an fp8 KV cache, on Pallas
+  5. fp8          fp8 weights (kernels/quantized.py, the jnp path) and fp8 KV rows
+                  (kernels/kv_quant.py) against float references: the matmul within e4m3's
+                  error of the float32 one and equal to the dequantized weight's, decode
+                  attention over fp8 rows equal to the reference over the dequantized
+                  cache; and the weight matmul's time in bf16 / int8 / fp8 (bytes it reads)
 
 The summary table is printed last; everything also goes to the JSON file.
 """
@@ -272,8 +278,10 @@ def time_kernels(shapes: list[AttnShape], interpret: bool, triton_ok: bool, band
 
 
 def model_decode(label: str, batches: list[int], context: int, backends: list[str], config,
-                 repeats: int, clock: Clock) -> list[dict[str, Any]]:
-    """Decode tokens/s of models.llama.forward: one new token per row over `context` cached."""
+                 repeats: int, clock: Clock, kv_dtype: str | None = None
+                 ) -> list[dict[str, Any]]:
+    """Decode tokens/s of models.llama.forward: one new token per row over `context` cached
+    (weights as `config.quantization`, the cache in `kv_dtype`, None: the model's dtype)."""
     import functools
 
     import jax
@@ -295,7 +303,9 @@ def model_decode(label: str, batches: list[int], context: int, backends: list[st
         tokens = jnp.zeros(b, jnp.int32)
         positions = jnp.asarray(positions)
         for backend in backends:
-            row = dict(model=label, batch=b, context=context, backend=backend)
+            row = dict(model=label, batch=b, context=context, backend=backend,
+                       variant=(f"{config.quantization or config.dtype} weights, "
+                                f"{kv_dtype or config.dtype} KV"))
             if clock.left() < 0:
                 rows.append(dict(row, status="skipped: time budget"))
                 continue
@@ -303,7 +313,7 @@ def model_decode(label: str, batches: list[int], context: int, backends: list[st
                 step = jax.jit(functools.partial(forward, config=config,
                                                  attention_backend=backend),
                                donate_argnames=("kv",))
-                state = {"kv": init_kv_cache(config, b * w + 1, bs)}
+                state = {"kv": init_kv_cache(config, b * w + 1, bs, kv_dtype)}
 
                 def run():
                     logits, state["kv"] = step(params, tokens=tokens, positions=positions,
@@ -316,6 +326,94 @@ def model_decode(label: str, batches: list[int], context: int, backends: list[st
                 row.update(status=f"error: {type(e).__name__}: {str(e)[:200]}")
             rows.append(row)
             print(f"[model] {row}", flush=True)
+    return rows
+
+
+def check_fp8(plan: dict[str, Any], interpret: bool, clock: Clock) -> list[dict[str, Any]]:
+    """fp8 weights and KV rows against float references, and the weight matmul's time by
+    weight format (see the module docstring, step 5)."""
+    import jax
+    import jax.numpy as jnp
+
+    from xlaserve.kernels import paged_attention as pa
+    from xlaserve.kernels.kv_quant import dequantize_rows, quantize_rows
+    from xlaserve.kernels.matmul import layer_matmul
+    from xlaserve.kernels.quantized import QuantizedWeight, dequantize, quantize_fp8, quantize_int8
+
+    rows: list[dict[str, Any]] = []
+
+    def record(row: dict[str, Any], fn: Callable[[], dict[str, Any]]) -> None:
+        if clock.left() < 0:
+            row["status"] = "skipped: time budget"
+        else:
+            try:
+                row.update(fn())
+            except Exception as e:   # a failure is a result, not a crash
+                row["status"] = f"error: {type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print(f"[fp8] {row}", flush=True)
+
+    rng = np.random.default_rng(3)
+    for m, k, n in plan["fp8_matmul"]:
+        w = rng.standard_normal((1, k, n)).astype(np.float32)
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        q = quantize_fp8(w, 1)
+        qw = QuantizedWeight(jnp.asarray(q["q"]), jnp.asarray(q["scale"]))
+
+        def matmul(x=x, w=w, q=q, qw=qw) -> dict[str, Any]:
+            (got,) = jax.jit(lambda x: layer_matmul(x, (qw,), jnp.int32(0)))(x)
+            hi = jax.lax.Precision.HIGHEST
+            want = jnp.matmul(x, jnp.asarray(w[0]), precision=hi)
+            exact = jnp.matmul(x, jnp.asarray(dequantize(q, 1)[0]), precision=hi)
+            err, err_exact = rel_error(got, want), rel_error(got, exact)
+            # e4m3 rounds each weight within 2^-4 of itself; summed over K the errors mostly
+            # cancel: ~1-2% of the largest output.  Against the dequantized weight: the dot's
+            # own precision (TF32-like on a GPU by default).
+            ok = err < 6e-2 and err_exact < 5e-3
+            return dict(rel_error=err, rel_error_dequantized=err_exact,
+                        status="ok" if ok else "FAIL")
+
+        record(dict(check="fp8 weight matmul", shape=f"M={m} K={k} N={n}", tolerance=6e-2),
+               matmul)
+
+    for s in plan["check"][:1]:
+        x = make_inputs(s, jnp.float32, seed=4)
+
+        def kv(x=x) -> dict[str, Any]:
+            k8, v8 = (quantize_rows(x[n], jnp.float8_e4m3fn) for n in ("k", "v"))
+            args = (x["q"][:, 0], x["layer"], x["tables"], x["kv_lens"])
+            dense = pa.paged_attention_reference(args[0], dequantize_rows(k8),
+                                                 dequantize_rows(v8), *args[1:],
+                                                 scale=x["scale"])
+            float_cache = pa.paged_attention_reference(args[0], x["k"], x["v"], *args[1:],
+                                                       scale=x["scale"])
+            got = pa.paged_attention(args[0], k8, v8, *args[1:], scale=x["scale"],
+                                     interpret=interpret)
+            # the kernel must read fp8 rows exactly as they dequantize; how far that is from
+            # the float cache is fp8's own rounding (informative: ~5-8% on N(0, 1) rows)
+            err = rel_error(got, dense)
+            return dict(rel_error=err, rel_error_float_cache=rel_error(dense, float_cache),
+                        status="ok" if err < 1e-4 else "FAIL")
+
+        record(dict(check="fp8 KV pallas decode", shape=s.name, tolerance=1e-4), kv)
+
+    m, k, n = plan["fp8_timed"]
+    w = rng.standard_normal((1, k, n)).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    formats = {"bfloat16": (jnp.asarray(w, jnp.bfloat16), 2 * k * n)}
+    for name, quantize in (("int8", quantize_int8), ("fp8", quantize_fp8)):
+        q = quantize(w, 1)
+        formats[name] = (QuantizedWeight(jnp.asarray(q["q"]), jnp.asarray(q["scale"])),
+                         k * n + 4 * k * n // 32)
+    for name, (weight, nbytes) in formats.items():
+        def timed(weight=weight, nbytes=nbytes) -> dict[str, Any]:
+            f = jax.jit(lambda x: layer_matmul(x, (weight,), jnp.int32(0))[0])
+            sec = bench(lambda: f(x), repeats=plan["repeats"])
+            return dict(status="ok", ms=sec * 1e3, weight_bytes=nbytes,
+                        bytes_per_s=nbytes / sec)
+
+        record(dict(check="weight matmul time", shape=f"M={m} K={k} N={n}", format=name),
+               timed)
     return rows
 
 
@@ -343,7 +441,10 @@ def gpu_plan():
                           tie_word_embeddings=True, dtype="bfloat16")
     return dict(check=check, timed=timed, model=smollm2, label="SmolLM2-135M shapes",
                 batches=[1, 32, 256], context=1024,
-                repeats=30, bandwidth_bytes=2 << 30, reference_limit=8 << 30)
+                repeats=30, bandwidth_bytes=2 << 30, reference_limit=8 << 30,
+                fp8_matmul=[(1, 576, 1536), (32, 4096, 4096), (256, 1536, 576)],
+                fp8_timed=(1, 8192, 8192), quantized_batches=[1, 32], quantized_model=smollm2,
+                quantized_variants=[("int8", None), ("fp8", None), ("fp8", "float8_e4m3fn")])
 
 
 def smoke_plan():
@@ -358,7 +459,12 @@ def smoke_plan():
                        num_heads=6, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
     return dict(check=check, timed=timed, model=tiny, label="tiny 2-layer",
                 batches=[1, 2], context=20, repeats=10,
-                bandwidth_bytes=1 << 20, reference_limit=1 << 40)
+                bandwidth_bytes=1 << 20, reference_limit=1 << 40,
+                fp8_matmul=[(3, 64, 40)], fp8_timed=(1, 64, 64), quantized_batches=[1],
+                # head_dim 32: wo's groups of 32 run along each head's D
+                quantized_model=tiny.replace(hidden_size=64, num_heads=2, num_kv_heads=1,
+                                             head_dim=32),
+                quantized_variants=[("fp8", "float8_e4m3fn")])   # the GPU plan: int8 and fp8 too
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -379,13 +485,23 @@ def table(report: dict[str, Any]) -> str:
                          f"{r['bytes_per_s'] / 1e9:>8.1f} {100 * r['frac_copy_bw']:>6.1f}%")
         else:
             lines.append(f"{r['shape']:<58} {r.get('op', ''):<15} {r['status']}")
-    lines.append(f"{'model decode':<30} {'batch':>6} {'backend':<10} {'ms/step':>9} {'tok/s':>10}")
+    for r in report["fp8"]:
+        what = f"{r['check']} {r.get('format', '')} {r['shape']}"
+        if r["status"] != "ok":
+            lines.append(f"{what}: {r['status']}")
+        elif "ms" in r:
+            lines.append(f"{what}: {r['ms']:.3f} ms, weights {r['bytes_per_s'] / 1e9:.1f} GB/s")
+        else:
+            lines.append(f"{what}: ok (rel err {r['rel_error']:.2e})")
+    lines.append(f"{'model decode':<30} {'batch':>6} {'backend':<10} {'ms/step':>9} "
+                 f"{'tok/s':>10}  weights, KV")
     for r in report["model"]:
         if r["status"] == "ok":
             lines.append(f"{r['model']:<30} {r['batch']:>6} {r['backend']:<10} "
-                         f"{r['ms_per_step']:>9.3f} {r['tokens_per_s']:>10.1f}")
+                         f"{r['ms_per_step']:>9.3f} {r['tokens_per_s']:>10.1f}  {r['variant']}")
         else:
-            lines.append(f"{r['model']:<30} {r['batch']:>6} {r['backend']:<10} {r['status']}")
+            lines.append(f"{r['model']:<30} {r['batch']:>6} {r['backend']:<10} {r['status']}"
+                         f"  {r['variant']}")
     return "\n".join(lines)
 
 
@@ -411,6 +527,10 @@ def main(argv: list[str] | None = None) -> int:
               f"(use --cpu-smoke on CPU)", file=sys.stderr)
         return 2
     interpret = not on_gpu
+    if args.cpu_smoke:   # fp8 is a GPU option: the smoke run takes the test-only jnp path
+        from xlaserve.kernels.quantized import FP8_ON_CPU_ENV
+
+        os.environ[FP8_ON_CPU_ENV] = "1"
     triton_ok = on_gpu and importlib.util.find_spec("jax_triton") is not None
     plan = smoke_plan() if args.cpu_smoke else gpu_plan()
 
@@ -430,6 +550,14 @@ def main(argv: list[str] | None = None) -> int:
     report["model"] = model_decode(plan["label"], plan["batches"], plan["context"], backends,
                                    plan["model"],
                                    max(3, plan["repeats"] // 3), clock)
+    # bf16 weights against int8 and fp8 ones, and an fp8 KV cache: Pallas decode
+    for quantization, kv_dtype in plan["quantized_variants"]:
+        report["model"] += model_decode(plan["label"], plan["quantized_batches"],
+                                        plan["context"], ["pallas"],
+                                        plan["quantized_model"].replace(
+                                            quantization=quantization),
+                                        max(3, plan["repeats"] // 3), clock, kv_dtype)
+    report["fp8"] = check_fp8(plan, interpret, clock)
     report["wall_s"] = time.perf_counter() - start
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
@@ -437,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(report))
     # JAX's own kernel is a baseline, not ours to pass: its rows inform, they do not fail.
     failed = any(r["status"] == "FAIL" or r["status"].startswith("error")
-                 for r in report["correctness"] if r["op"] != "jax_pallas_gpu")
+                 for r in [*(r for r in report["correctness"] if r["op"] != "jax_pallas_gpu"),
+                           *report["fp8"]])
     return 1 if failed else 0
 
 

@@ -21,7 +21,8 @@ from xlaserve.serving.speculative import SpeculativeConfig
 from xlaserve.sharding.mesh import MeshConfig
 
 _SCHEDULER_KEYS = frozenset(f.name for f in fields(SchedulerConfig))
-KV_DTYPES = ("float32", "bfloat16", "float16", "int8")   # kernels/kv_quant.py's, without jax
+# kernels/kv_quant.py's, without jax; "fp8" is float8_e4m3fn rows, a GPU option
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,8 @@ class EngineConfig:
     pipelined: bool = True               # schedule step n+1 while step n runs on device
     attention_backend: str = "auto"      # see kernels/attention.py: cpu kernels on CPU
     # The KV cache's dtype: "auto" = the model's; "int8" stores each token's K and V rows as
-    # int8 with their scales (kernels/kv_quant.py: ~3.8x the tokens in the same bytes).
+    # int8 with their scales (kernels/kv_quant.py: ~3.8x the tokens in the same bytes); "fp8"
+    # the same rows as float8_e4m3fn (GPU only: refused on the CPU backend).
     kv_cache_dtype: str = "auto"
     seed: int = 0                        # seeds requests that bring none
     # Devices: each of `mesh.replicas` engines runs on its own `pipeline x tensor` mesh
@@ -82,8 +84,11 @@ class EngineConfig:
 
     @property
     def kv_dtype(self) -> str | None:
-        """The runner's KV dtype: None for the model's own."""
-        return None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        """The runner's KV dtype (a jax dtype name: "fp8" is "float8_e4m3fn"): None for the
+        model's own."""
+        from xlaserve.models.quantize import kv_cache_dtype_name
+
+        return None if self.kv_cache_dtype == "auto" else kv_cache_dtype_name(self.kv_cache_dtype)
 
     @property
     def bucket_plan(self) -> BucketPlan:
