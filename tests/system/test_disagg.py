@@ -6,7 +6,10 @@ bearer token:
 - greedy outputs through prefill worker -> KV over gRPC -> decode worker equal the unified
   engine's (the decode worker serving whole requests, as any worker does) for the 8-prompt
   parity set and a 32-request mixed workload sent at once; the decode worker's prefix cache
-  shows the prompts' blocks arriving instead of being computed;
+  shows the prompts' blocks arriving instead of being computed, all of them by the prefetch
+  that follows the prefill;
+- an ExportKV following a running prefill streams its first blocks before the prefill ends,
+  every full block once, in order;
 - a client gone during prefill or during decode leaves every worker idle with every block
   free; so does an Abort or a cancelled call while the decode worker fetches the KV (its
   source SIGSTOPped to hold the transfer open);
@@ -150,12 +153,16 @@ def detok(tokenizer, ids: list[int]) -> list[str]:
 
 
 def test_split_tokens_equal_the_unified_engine(split, prompts, tokenizer):
-    hits_before = split.decode.stats().prefix_cache_hits
+    before = split.decode.stats()
     got = [split.complete(p, 12) for p in prompts]
     # each prompt's full blocks came over from the prefill worker: prefix hits on the decode
-    # side, not computed there
-    came = split.decode.stats().prefix_cache_hits - hits_before
+    # side, not computed there; every one by the prefetch while the prompt prefilled, none by
+    # the decode part's own fetch
+    after = split.decode.stats()
+    came = after.prefix_cache_hits - before.prefix_cache_hits
     assert came == sum(len(p) // 16 * 16 for p in prompts), came
+    assert after.kv_blocks_prefetched - before.kv_blocks_prefetched == came // 16, after
+    assert after.kv_blocks_fetched == before.kv_blocks_fetched, after
     for p, tokens in zip(prompts, got):
         assert tokens == detok(tokenizer, split.decode.generate(p, 12)), len(p)
     assert wait_for(split.idle, 10)
@@ -181,6 +188,35 @@ def test_32_requests_at_once_equal_the_unified_engine(split, prompts, tokenizer)
     for i, (p, n) in enumerate(work):
         assert got.get(i) == detok(tokenizer, split.decode.generate(p, n)), (i, len(p), n)
     assert wait_for(split.idle, 10)
+
+
+def test_a_followed_export_streams_blocks_while_the_prompt_prefills(split, prompts):
+    """ExportKV following a request, called before the request reaches the prefill worker:
+    the first blocks come while its prefill (four chunks of 128) still runs, then the rest,
+    each block once, in order; a follow of the request once it has ended sends what is
+    cached at once."""
+    source, ids = split.prefills[0], [t for p in prompts[4:] for t in p][:500]
+    follow = pb.ExportKVRequest(model=MODEL, prompt_token_ids=ids, follow_request_id="follow")
+    stream = source.stub.ExportKV(follow, timeout=60)
+    done = threading.Event()
+
+    def prefill() -> None:
+        part = pb.GenerateRequest(model=MODEL, prompt_token_ids=ids, request_id="follow",
+                                  continues=True,
+                                  sampling=pb.SamplingParams(max_tokens=1, ignore_eos=True))
+        list(source.stub.Generate(part, timeout=60))
+        done.set()
+
+    t = threading.Thread(target=prefill)
+    t.start()
+    got = [(m.first_block, m.shape[1], done.is_set()) for m in stream]
+    t.join(60)
+    assert not got[0][2], got                        # before the prefill's last chunk
+    starts = [0, *np.cumsum([n for _, n, _ in got])]
+    assert [first for first, _, _ in got] == starts[:-1] and starts[-1] == len(ids) // 16, got
+    again = list(source.stub.ExportKV(follow, timeout=60))
+    assert sum(m.shape[1] for m in again) == len(ids) // 16
+    assert wait_for(split.idle, 10), split.stats()
 
 
 def _stream_then_drop(split: Split, ids: list[int], after_chunks: int) -> None:

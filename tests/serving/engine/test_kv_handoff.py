@@ -2,7 +2,8 @@
 prompt to its first token, its prompt KV is exported, adopted by a second engine with its own
 runner and KV cache, and the request resumes there from the first token; greedy tokens equal
 the unified engine's, the decode side computes only the prompt's last partial block, and both
-pools keep their invariants."""
+pools keep their invariants.  Exported between the prefill's steps, slice by slice as its
+chunks register blocks (the split's follow), the handoff gives the same tokens."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.serving.engine.conftest import (ENGINE_CONFIG, collect, new_engine, prompt, request,
-                                           tokens_of)
+from tests.serving.engine.conftest import (
+    ENGINE_CONFIG,
+    collect,
+    new_engine,
+    prompt,
+    request,
+    tokens_of,
+)
 from xlaserve.serving.engine import LLMEngine
 from xlaserve.serving.engine.kv_handoff import PrefixKV, export_prefix, import_prefix
 
@@ -100,6 +107,43 @@ def test_partial_or_missing_handoff_recomputes(warm_engine, decode_engine, smoll
         assert events[-1].usage.cached_tokens == keep * kv.block_size
 
 
+def test_slices_exported_while_the_prompt_prefills_give_the_unified_tokens(
+        warm_engine, decode_engine, smollm2, prompts, engine):
+    """Between the prefill's steps, export the blocks registered since the last export and
+    import each slice on the decode side: the first slices come before the first token, the
+    last once the request finished, and the resumed request matches the unified engine."""
+    p = prompts[-1]                                    # 300 tokens: chunks of 256 and 44
+    engine.add(request("u", p, max_tokens=MAX_TOKENS))
+    unified = tokens_of(collect(engine)["u"])
+    prefill_side = new_engine(warm_engine, smollm2)
+    decode_side = fresh(decode_engine, smollm2)
+    prefill_side.add(request("p", p, max_tokens=1))
+    sent, slices, first = 0, [], None
+    while prefill_side.has_work() or first is None:
+        for ev in prefill_side.step():
+            first = ev.token_ids[0] if ev.token_ids else first
+        kv = export_prefix(prefill_side, p, "", sent)
+        assert kv.first_block == sent
+        if kv.num_blocks:
+            assert import_prefix(decode_side, p, "", kv) == kv.num_blocks
+            slices.append((kv.num_blocks, first is not None))
+            sent += kv.num_blocks
+    assert sent == len(p) // 16 and slices[0] == (16, False), slices   # the first chunk's
+    prefill_side.scheduler.kv_cache.check_integrity()
+    decode_side.add(dataclasses.replace(request("d", p, max_tokens=MAX_TOKENS),
+                                        output_token_ids=(first,)))
+    events = collect(decode_side)["d"]
+    assert [first, *tokens_of(events)] == unified
+    assert events[-1].usage.cached_tokens == sent * 16
+    # a slice whose earlier blocks are not cached on the importing side is not taken
+    other = fresh(decode_engine, smollm2)
+    later = export_prefix(prefill_side, p, "", 4)
+    assert (later.first_block, later.num_blocks) == (4, sent - 4)
+    assert import_prefix(other, p, "", later) == 0
+    assert other.scheduler.kv_cache.pool.num_used_blocks == 0
+    other.scheduler.kv_cache.check_integrity()
+
+
 def test_other_tenant_never_hits_the_handed_over_blocks(warm_engine, decode_engine, smollm2,
                                                         prompts):
     p = prompts[3]
@@ -119,7 +163,7 @@ def test_bad_handoffs_are_refused(decode_engine, smollm2, prompts):
     p = prompts[0]
     k = np.zeros((smollm2.config.num_layers, 2, 16, smollm2.config.num_kv_heads,
                   smollm2.config.head_dim), np.float32)
-    with pytest.raises(ValueError, match="2 blocks of 16 tokens for a prompt of 17"):
+    with pytest.raises(ValueError, match=r"blocks \[0, 2\) of 16 tokens for a prompt of 17"):
         import_prefix(decode_side, p, "", PrefixKV(16, k, k))
     with pytest.raises(ValueError, match="block_size 32"):
         import_prefix(decode_side, p, "", PrefixKV(32, k[:, :0], k[:, :0]))

@@ -71,7 +71,7 @@ def test_reflection_lists_and_describes_services_without_the_token(tokenizer):
             svc = pool.FindServiceByName("xlaserve.v1.Generation")
             generate = svc.methods_by_name["Generate"]
             assert sorted(svc.methods_by_name) == ["Abort", "ExportKV", "Generate", "GetStats",
-                                                   "ListModels"]
+                                                   "ListModels", "PrefetchKV"]
             assert generate.input_type.full_name == "xlaserve.v1.GenerateRequest"
             assert generate.server_streaming and not generate.client_streaming
             fields = generate.input_type.fields_by_name

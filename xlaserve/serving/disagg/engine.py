@@ -7,11 +7,16 @@ workers (each an `xlaserve worker` behind a RemoteEngine); the AsyncEngine proto
          than the least loaded; else the least loaded):
          the request with max_tokens 1 and `continues` (text held back stays held)
          -> the first token's event goes to the client at once (time to first token)
-      2. a decode worker (the least loaded live one) gets the request with that token as its
-         output so far and `kv_source` = the prefill worker: it fetches the prompt's KV
-         (ExportKV), adopts it into its prefix cache and decodes the rest
+         meanwhile the decode worker (the least loaded live one, picked now) prefetches the
+         prompt's KV from that prefill worker as its chunks finish (PrefetchKV: ExportKV
+         following the request), adopting each batch of blocks into its prefix cache
+      2. the decode worker gets the request with that token as its output so far, once the
+         prefetch is done: with no `kv_source` when every full block came, else with
+         `kv_source` = the prefill worker, whose ExportKV sends the rest; it decodes the rest
          -> its events follow; the final usage is the decode side's, with the prefill side's
-            prefix-cache hits as `cached_tokens`
+            prefix-cache hits as `cached_tokens`; the first carries the KV moved (both
+            fetches) and the time the transfer added after the prefill (the wait for the
+            prefetch to end, plus the decode worker's own fetch)
 
 A request that ends at its first token (a stop token, max_tokens 1, the context full) never
 reaches a decode worker.  A prefill worker that fails before the first token (gone, refused,
@@ -27,12 +32,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Sequence
 
 from xlaserve.serving.disagg.affinity import PrefixAffinity
 from xlaserve.serving.engine_api import EngineStats, ServiceCosts
 from xlaserve.serving.grpc.client import RemoteEngine
-from xlaserve.serving.types import EngineEvent, GenerationRequest, Usage
+from xlaserve.serving.types import EngineEvent, GenerationRequest, KVHandoff, Usage
+
+PREFETCH_TIMEOUT_S = 60.0   # a PrefetchKV call, the prompt's prefill included
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefetch:
+    """A split request's KV prefetch: the decode worker taking it, and its PrefetchKV call
+    ((what moved, whether every full block came))."""
+
+    worker: RemoteEngine
+    task: asyncio.Future[tuple[KVHandoff, bool]]
 
 
 class DisaggregatedEngine:
@@ -47,6 +64,9 @@ class DisaggregatedEngine:
         self.tokenizer = self.decode[0].tokenizer
         self._where: dict[str, list[RemoteEngine]] = {}   # request id -> workers it is on
         self.affinity = PrefixAffinity(block_size)
+        self.block_size = block_size
+        self._prefetch: dict[str, Prefetch] = {}   # request id -> its KV prefetch
+        self._aborted: set[str] = set()   # requests aborted here (none of their parts left)
         # parts this engine has on each worker now: exact, unlike the polled stats
         self._parts: dict[str, int] = {w.target: 0 for w in self.workers}
 
@@ -137,6 +157,37 @@ class DisaggregatedEngine:
                 yield ev
         finally:
             self._where.pop(rid, None)
+            self._aborted.discard(rid)
+            self._stop_prefetch(rid)
+
+    def _start_prefetch(self, request: GenerationRequest, source: RemoteEngine) -> None:
+        """Have a decode worker fetch the prompt's KV from `source` while it prefills (not
+        for a prompt without a full block, nor one ending at its first token)."""
+        decode = self._pick(self.decode)
+        if (decode is None or request.sampling.max_tokens <= 1
+                or len(request.prompt_token_ids) < self.block_size):
+            return
+        self._prefetch[request.request_id] = Prefetch(decode, asyncio.ensure_future(
+            decode.prefetch(request, source.target, PREFETCH_TIMEOUT_S)))
+
+    def _stop_prefetch(self, request_id: str) -> None:
+        prefetch = self._prefetch.pop(request_id, None)
+        if prefetch is not None:
+            prefetch.task.cancel()
+
+    async def _prefetched(self, request_id: str, worker: RemoteEngine
+                          ) -> tuple[KVHandoff | None, bool, bool]:
+        """(handoff, complete, aborted) of the request's prefetch once it ends, if `worker`
+        took it; the handoff's seconds are the wait here (what it added after the prefill)."""
+        prefetch = self._prefetch.get(request_id)
+        if prefetch is None or prefetch.worker is not worker:
+            return None, False, False
+        t0 = time.monotonic()
+        await asyncio.wait({prefetch.task})
+        if prefetch.task.cancelled() or request_id in self._aborted:
+            return None, False, True
+        handoff, complete = prefetch.task.result()
+        return dataclasses.replace(handoff, seconds=time.monotonic() - t0), complete, False
 
     def _ends_at_first(self, request: GenerationRequest, first: EngineEvent) -> bool:
         """Did the prefill side's finish end the request itself (a stop, not just its
@@ -159,11 +210,13 @@ class DisaggregatedEngine:
                 break
             tried = worker
             self._where[request.request_id] = [worker]
+            self._start_prefetch(request, worker)
             events = [ev async for ev in self._run_part(worker, part)]
             first = _merge(events)
             if first.error is None or first.token_ids:
                 self.affinity.record(worker.target, hashes)
                 return first, worker
+            self._stop_prefetch(request.request_id)
         error = "no prefill worker could run the prompt" + (
             f" (last: {first.error})" if tried is not None else " (none is ready)")
         return EngineEvent(request.request_id, finish_reason="error", error=error,
@@ -171,15 +224,25 @@ class DisaggregatedEngine:
 
     async def _decode(self, request: GenerationRequest, first: EngineEvent,
                       source: RemoteEngine) -> AsyncIterator[EngineEvent]:
-        worker = self._pick(self.decode)
+        prefetch = self._prefetch.get(request.request_id)
+        worker = (prefetch.worker if prefetch is not None and prefetch.worker.ready
+                  else self._pick(self.decode))
         if worker is None:
             yield EngineEvent(request.request_id, finish_reason="error",
                               error="no decode worker is ready", usage=first.usage)
             return
         self._where[request.request_id] = [worker]
+        handoff, complete, aborted = await self._prefetched(request.request_id, worker)
+        if aborted:
+            yield EngineEvent(request.request_id, finish_reason="abort", usage=first.usage)
+            return
         part = dataclasses.replace(request, output_token_ids=first.token_ids)
         cached = first.usage.cached_tokens if first.usage is not None else 0
-        async for ev in self._run_part(worker, part, kv_source=source.target):
+        source_kv = "" if complete else source.target
+        async for ev in self._run_part(worker, part, kv_source=source_kv):
+            if handoff is not None:
+                ev = dataclasses.replace(ev, kv_handoff=_added(handoff, ev.kv_handoff))
+                handoff = None
             if ev.error is not None:
                 said = (ev.error if ev.error.startswith(worker.target)
                         else f"{worker.target}: {ev.error}")
@@ -190,6 +253,10 @@ class DisaggregatedEngine:
             yield ev
 
     async def abort(self, request_id: str) -> None:
+        prefetch = self._prefetch.get(request_id)
+        if prefetch is not None:   # its decode part, not sent yet, never will be
+            self._aborted.add(request_id)
+            prefetch.task.cancel()
         for w in self._where.get(request_id, []):
             await w.abort(request_id)
 
@@ -204,3 +271,10 @@ def _merge(events: Sequence[EngineEvent]) -> EngineEvent:
         last, token_ids=tuple(t for e in events for t in e.token_ids),
         text="".join(e.text for e in events),
         logprobs=tuple(lp for e in events for lp in e.logprobs))
+
+
+def _added(a: KVHandoff, b: KVHandoff | None) -> KVHandoff:
+    """The prefetch's handoff and the decode worker's own fetch's, as one."""
+    if b is None:
+        return a
+    return KVHandoff(a.blocks + b.blocks, a.nbytes + b.nbytes, a.seconds + b.seconds)

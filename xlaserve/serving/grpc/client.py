@@ -30,7 +30,7 @@ from xlaserve.serving.grpc.convert import (
 )
 from xlaserve.serving.telemetry import Telemetry
 from xlaserve.serving.tokenizer import Tokenizer
-from xlaserve.serving.types import EngineEvent, GenerationRequest
+from xlaserve.serving.types import EngineEvent, GenerationRequest, KVHandoff
 
 
 class RemoteEngine:
@@ -141,6 +141,23 @@ class RemoteEngine:
         finally:
             if not finished:
                 call.cancel()
+
+    async def prefetch(self, request: GenerationRequest, source: str, timeout: float
+                       ) -> tuple[KVHandoff, bool]:
+        """This (decode) worker's PrefetchKV: the prompt's KV taken from `source` while the
+        request's prefill runs there; what moved and whether every full block of the prompt
+        is held here now ((nothing, False) when the call failed: the Generate fetches)."""
+        if self._stub is None:
+            await self.start()
+        assert self._stub is not None
+        try:
+            r = await self._stub.PrefetchKV(pb.PrefetchKVRequest(
+                model=self.model_name, prompt_token_ids=list(request.prompt_token_ids),
+                tenant=request.tenant, kv_source=source, request_id=request.request_id),
+                timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return KVHandoff(0, 0, 0.0), False
+        return KVHandoff(r.kv_blocks, r.kv_bytes, r.kv_seconds), r.complete
 
     async def abort(self, request_id: str) -> None:
         if self._stub is None:

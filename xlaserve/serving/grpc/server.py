@@ -23,6 +23,7 @@ binds loopback only; the flags are checked before the engine is built.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -36,8 +37,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from xlaserve.serving.disagg.transfer import PrefixFetcher, to_messages
-from xlaserve.serving.engine.kv_handoff import export_prefix, import_prefix
+from xlaserve.serving.disagg.transfer import (
+    PrefixFetcher,
+    adopt_prefix,
+    follow_export,
+    prefetch_prefix,
+    to_messages,
+)
+from xlaserve.serving.engine.kv_handoff import export_prefix
 from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
@@ -75,9 +82,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise ValueError("GenerationServicer needs at least one engine")
         self.engines = dict(engines)
         self.inflight: set[str] = set()
+        self.ended: collections.deque[str] = collections.deque(maxlen=1024)   # latest ids done
         # split requests whose prompt KV is being fetched: id -> (engine, set by its Abort)
         self.fetching: dict[str, tuple[AsyncEngine, asyncio.Event]] = {}
         self.telemetry = telemetry or Telemetry()
+        # (engine, "prefetched" | "fetched") -> KV blocks received for split requests
+        self.kv_moved: collections.Counter[tuple[AsyncEngine, str]] = collections.Counter()
         self.fetcher = fetcher or PrefixFetcher(lambda target: None)
 
     async def _engine(self, name: str, context: grpc.aio.ServicerContext) -> AsyncEngine:
@@ -176,7 +186,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 fetch.cancel()
         if fetch not in done:
             return True, None
-        return False, fetch.result()
+        handoff = fetch.result()
+        self.kv_moved[engine, "fetched"] += handoff.blocks if handoff is not None else 0
+        return False, handoff
 
     async def _end(self, engine: AsyncEngine, rid: str,
                    stream: AsyncIterator[EngineEvent] | None, finished: bool) -> None:
@@ -194,6 +206,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 await aclose()
         finally:
             self.inflight.discard(rid)
+            self.ended.append(rid)
 
     async def ExportKV(self, request: pb.ExportKVRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KVBlocks]:
@@ -202,10 +215,36 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if call is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 f"{type(engine).__name__} cannot export its KV")
-        ids, tenant = list(request.prompt_token_ids), request.tenant
-        kv = await call(lambda e: export_prefix(e, ids, tenant))
-        for message in to_messages(kv):
-            yield message
+        ids, tenant, first = list(request.prompt_token_ids), request.tenant, request.first_block
+        if first < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first_block {first} < 0")
+        rid = request.follow_request_id
+        if not rid:
+            kv = await call(lambda e: export_prefix(e, ids, tenant, first))
+            for message in to_messages(kv):
+                yield message
+            return
+        async for kv in follow_export(call, ids, tenant, first, lambda: self._running(rid)):
+            for message in to_messages(kv):
+                yield message
+
+    def _running(self, rid: str) -> bool | None:
+        """Is `rid` running here (True), has it ended here lately (False), or neither."""
+        return True if rid in self.inflight else (False if rid in self.ended else None)
+
+    async def PrefetchKV(self, request: pb.PrefetchKVRequest,
+                         context: grpc.aio.ServicerContext) -> pb.PrefetchKVResponse:
+        engine = await self._engine(request.model, context)
+        if self.role == "prefill" or not request.kv_source:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"PrefetchKV from kv_source {request.kv_source!r} on a "
+                                f"{self.role} worker: it needs a source and a decode worker")
+        handoff, complete = await prefetch_prefix(
+            self.fetcher, engine, request.kv_source, request.model,
+            list(request.prompt_token_ids), request.tenant, request.request_id)
+        self.kv_moved[engine, "prefetched"] += handoff.blocks
+        return pb.PrefetchKVResponse(kv_blocks=handoff.blocks, kv_bytes=handoff.nbytes,
+                                     kv_seconds=handoff.seconds, complete=complete)
 
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
@@ -229,25 +268,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         e = await self._engine(request.model, context)
         out = stats_to_pb(e.stats(), e.service_costs(), e.ready)
         out.kv_fetching = sum(1 for engine, _ in self.fetching.values() if engine is e)
+        out.kv_blocks_prefetched = self.kv_moved[e, "prefetched"]
+        out.kv_blocks_fetched = self.kv_moved[e, "fetched"]
         return out
-
-
-async def adopt_prefix(fetcher: PrefixFetcher, engine: AsyncEngine, source: str, model: str,
-                       ids: list[int], tenant: str) -> KVHandoff | None:
-    """Fetch the prompt's KV from the worker at `source` and adopt it into `engine`'s prefix
-    cache.  Any failure (the source gone, its blocks evicted, an engine that cannot import)
-    only means the prompt is computed here: logged, never the request's error."""
-    call = getattr(engine, "call", None)
-    if call is None:
-        return None
-    try:
-        kv, handoff = await fetcher.fetch(source, model, ids, tenant)
-        if kv is not None:
-            await call(lambda e: import_prefix(e, ids, tenant, kv))
-        return handoff
-    except (grpc.aio.AioRpcError, ValueError, RuntimeError) as e:
-        log.warning("KV handoff from %s failed, computing the prompt here: %s", source, e)
-        return None
 
 
 @dataclass

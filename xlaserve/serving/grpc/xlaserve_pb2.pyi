@@ -67,14 +67,44 @@ class GenerateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tier: _Optional[int] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., speculative: _Optional[bool] = ..., continues: _Optional[bool] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_source: _Optional[str] = ...) -> None: ...
 
 class ExportKVRequest(_message.Message):
-    __slots__ = ("model", "prompt_token_ids", "tenant")
+    __slots__ = ("model", "prompt_token_ids", "tenant", "first_block", "follow_request_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tenant: str
-    def __init__(self, model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    first_block: int
+    follow_request_id: str
+    def __init__(self, model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., first_block: _Optional[int] = ..., follow_request_id: _Optional[str] = ...) -> None: ...
+
+class PrefetchKVRequest(_message.Message):
+    __slots__ = ("model", "prompt_token_ids", "tenant", "kv_source", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tenant: str
+    kv_source: str
+    request_id: str
+    def __init__(self, model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., kv_source: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class PrefetchKVResponse(_message.Message):
+    __slots__ = ("kv_blocks", "kv_bytes", "kv_seconds", "complete")
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    kv_blocks: int
+    kv_bytes: int
+    kv_seconds: float
+    complete: bool
+    def __init__(self, kv_blocks: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
     __slots__ = ("block_size", "first_block", "shape", "dtype", "k", "v")
@@ -181,7 +211,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_finished", "ready", "max_running", "step_s", "prefill_tokens_per_s", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_counts", "kv_fetching")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_finished", "ready", "max_running", "step_s", "prefill_tokens_per_s", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_acceptance_counts", "kv_fetching", "kv_blocks_prefetched", "kv_blocks_fetched")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +230,8 @@ class EngineStats(_message.Message):
     SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTANCE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     KV_FETCHING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_PREFETCHED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FETCHED_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -218,4 +250,6 @@ class EngineStats(_message.Message):
     spec_num_accepted_tokens: int
     spec_acceptance_counts: _containers.RepeatedScalarFieldContainer[int]
     kv_fetching: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., ready: _Optional[bool] = ..., max_running: _Optional[int] = ..., step_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_counts: _Optional[_Iterable[int]] = ..., kv_fetching: _Optional[int] = ...) -> None: ...
+    kv_blocks_prefetched: int
+    kv_blocks_fetched: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., ready: _Optional[bool] = ..., max_running: _Optional[int] = ..., step_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_acceptance_counts: _Optional[_Iterable[int]] = ..., kv_fetching: _Optional[int] = ..., kv_blocks_prefetched: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class GenerationStub:
                 request_serializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.ExportKVRequest.SerializeToString,
                 response_deserializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.KVBlocks.FromString,
                 _registered_method=True)
+        self.PrefetchKV = channel.unary_unary(
+                '/xlaserve.v1.Generation/PrefetchKV',
+                request_serializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.PrefetchKVRequest.SerializeToString,
+                response_deserializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.PrefetchKVResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -104,7 +109,18 @@ class GenerationServicer:
         """The prefill/decode split (serving/disagg/): the KV this worker holds for the leading
         full blocks of a prompt (found by their chained hashes in its prefix cache), streamed a
         few whole blocks per message, in order; none when they are no longer cached.  A decode
-        worker calls it on the worker a GenerateRequest's kv_source names.
+        worker calls it on the worker a GenerateRequest's kv_source names.  With
+        follow_request_id it streams the blocks as that request's prefill registers them, while
+        it runs here, ending once the prompt's full blocks are all sent or the request is gone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefetchKV(self, request, context):
+        """On a decode worker: fetch a prompt's KV from kv_source while its prefill still runs there
+        (ExportKV following request_id), adopting the blocks into the prefix cache as they come;
+        returns once the follow ends.  The later Generate with kv_source fetches only the rest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,6 +153,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ExportKV,
                     request_deserializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.ExportKVRequest.FromString,
                     response_serializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.KVBlocks.SerializeToString,
+            ),
+            'PrefetchKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefetchKV,
+                    request_deserializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.PrefetchKVRequest.FromString,
+                    response_serializer=xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.PrefetchKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -274,6 +295,33 @@ class Generation:
             '/xlaserve.v1.Generation/ExportKV',
             xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.ExportKVRequest.SerializeToString,
             xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.KVBlocks.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefetchKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xlaserve.v1.Generation/PrefetchKV',
+            xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.PrefetchKVRequest.SerializeToString,
+            xlaserve_dot_serving_dot_grpc_dot_xlaserve__pb2.PrefetchKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -57,6 +57,9 @@ def gather_blocks(kv: KVCache, block_ids: Sequence[int]) -> tuple[np.ndarray, np
     """The K and V of `block_ids`, in order: two [L, n, bs, K, D'] host arrays."""
     _check_addressable(kv)
     n = len(block_ids)
+    if n == 0:   # no device work: a follow's poll must not wait for the step in flight
+        empty = np.zeros((kv.k.shape[0], 0, *kv.k.shape[2:]), kv.k.dtype)
+        return empty, empty.copy()
     k, v = _gather()(kv.k, kv.v, _padded_ids(block_ids))
     return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
 
