@@ -54,9 +54,10 @@ def test_moe_config_errors() -> None:
     with pytest.raises(ValueError, match=r"num_experts=4 on architecture 'llama', which has a "
                                          r"dense MLP"):
         DENSE.replace(num_experts=4)
-    with pytest.raises(ValueError, match=r"int8 weights are not supported for "
-                                         r"mixture-of-experts"):
-        MOE.replace(quantization="int8")
+    for mode in ("int8", "fp8"):
+        with pytest.raises(ValueError, match=rf"quantization='{mode}': quantized weights are "
+                                             r"not supported for mixture-of-experts"):
+            MOE.replace(quantization=mode)
     with pytest.raises(ValueError, match=r"mlp_only_layers=\[1\]"):
         ModelConfig.from_hf({"model_type": "qwen2_moe", "vocab_size": 8, "hidden_size": 8,
                              "intermediate_size": 8, "num_hidden_layers": 2,
