@@ -44,7 +44,6 @@ from xlaserve.serving.disagg.transfer import (
     prefetch_prefix,
     to_messages,
 )
-from xlaserve.serving.engine.kv_handoff import export_prefix
 from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
@@ -219,12 +218,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if first < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first_block {first} < 0")
         rid = request.follow_request_id
-        if not rid:
-            kv = await call(lambda e: export_prefix(e, ids, tenant, first))
-            for message in to_messages(kv):
-                yield message
-            return
-        async for kv in follow_export(call, ids, tenant, first, lambda: self._running(rid)):
+        # without a request to follow, one export of what is cached (as if it had left)
+        running = (lambda: self._running(rid)) if rid else (lambda: False)
+        async for kv in follow_export(call, ids, tenant, first, running):
             for message in to_messages(kv):
                 yield message
 

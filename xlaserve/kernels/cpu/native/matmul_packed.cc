@@ -248,6 +248,22 @@ ffi::Error MatmulPacked(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> lay
   return ffi::Error::Success();
 }
 
+// f(m0, m1) over rows [0, M) of a matmul's prologue (the norm, the silu gate): on the calling
+// thread for up to 16 rows, else in items of 16 rows over the workers (a row is always one
+// item's, whatever M).
+template <typename F>
+void by_row_items(int64_t M, F f) {
+  constexpr int64_t kRowsPerItem = 16;
+  if (M <= kRowsPerItem) {
+    f(0, M);
+    return;
+  }
+  parallel_for((M + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
+    const int64_t m0 = item * kRowsPerItem;
+    f(m0, std::min(M, m0 + kRowsPerItem));
+  });
+}
+
 // h[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * w for rows [m0, m1) of x [M, K]: RMSNorm
 // as models/llama.py's reference computes it (the mean of squares in float32; the sum's order
 // differs from XLA's, ~1 ulp).  Each row is one thread's, whatever M: batch invariant.
@@ -288,15 +304,9 @@ ffi::Error MatmulPackedNormed(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 
   scratch.resize(M * K);
   float* h = scratch.data();
   const float* w = norm.typed_data() + static_cast<int64_t>(l) * K;
-  constexpr int64_t kRowsPerItem = 16;
-  if (M <= kRowsPerItem) {
-    rms_norm_rows(x.typed_data(), w, eps, K, 0, M, h);
-  } else {
-    parallel_for((M + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
-      const int64_t m0 = item * kRowsPerItem;
-      rms_norm_rows(x.typed_data(), w, eps, K, m0, std::min(M, m0 + kRowsPerItem), h);
-    });
-  }
+  by_row_items(M, [&](int64_t m0, int64_t m1) {
+    rms_norm_rows(x.typed_data(), w, eps, K, m0, m1, h);
+  });
   run_panels(h, M, K, panels);
   return ffi::Error::Success();
 }
@@ -370,15 +380,9 @@ ffi::Error MatmulPackedGated(ffi::Buffer<ffi::F32, 2> gate, ffi::Buffer<ffi::F32
   float* h = scratch.data();
   const float* g = gate.typed_data();
   const float* u = up.typed_data();
-  constexpr int64_t kRowsPerItem = 16;
-  if (M <= kRowsPerItem) {
-    silu_mul(g, u, h, M * F);
-  } else {
-    parallel_for((M + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
-      const int64_t m0 = item * kRowsPerItem, m1 = std::min(M, m0 + kRowsPerItem);
-      silu_mul(g + m0 * F, u + m0 * F, h + m0 * F, (m1 - m0) * F);
-    });
-  }
+  by_row_items(M, [&](int64_t m0, int64_t m1) {
+    silu_mul(g + m0 * F, u + m0 * F, h + m0 * F, (m1 - m0) * F);
+  });
   run_panels(h, M, F, panels);
   return ffi::Error::Success();
 }
