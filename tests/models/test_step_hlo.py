@@ -38,6 +38,8 @@ def test_the_step_calls_the_native_kernels(hlo_by_bucket) -> None:
     for shape, hlo in hlo_by_bucket.items():
         targets = re.findall(r'custom_call_target="(\w+)"', hlo)
         assert targets.count("xlaserve_paged_attention") == 1, shape   # inside the layer loop
+        # RoPE and the KV write in one call, the cache updated through its aliased outputs
+        assert targets.count("xlaserve_rope_kv_write") == 1, shape
         # qkv and gate+up on packed weight panels with their pre-norms folded in, the output
         # head on packed panels; o adding the residual; down with its silu gate folded in,
         # adding the residual too
@@ -57,3 +59,5 @@ def test_no_weight_slice_or_cache_is_copied(hlo_by_bucket) -> None:
             numel = int(np.prod([int(d) for d in dims.split(",") if d]))
             assert numel < smallest, f"bucket {shape}: {op} of f32[{dims}]"
         assert "input_output_alias" in hlo   # the donated cache is updated in place
+        # no scatter or dynamic-update-slice into the cache is left beside the kernel
+        assert not re.search(r"(scatter|dynamic-update-slice)\(", hlo), shape

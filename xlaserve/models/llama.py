@@ -4,9 +4,10 @@ A step is one flat batch of tokens: every row's tokens one after another (a deco
 one token, a prefill chunk many), padding at the end.
 
     tokens [T] -> embed -> scan over layers {
-        x += attn(rmsnorm(x))   q,k,v projections; RoPE; write k,v into the paged cache at
-                                `slot_mapping`; paged attention of each token over its row's
-                                block table (kernels/attention.py)
+        x += attn(rmsnorm(x))   q,k,v projections; RoPE and the write of k,v into the paged
+                                cache at `slot_mapping`, one op (kernels/rope_kv_write.py);
+                                paged attention of each token over its row's block table
+                                (kernels/attention.py)
         x += mlp(rmsnorm(x))    SwiGLU
     } -> the rows' logits tokens -> rmsnorm -> logits (tied or separate output embedding)
 
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.kernels.attention import attention
-from xlaserve.kernels.kv_quant import row_width, to_cache_rows
+from xlaserve.kernels.kv_quant import row_width
 from xlaserve.kernels.matmul import (
     PackedWeight,
     gated_matmul,
@@ -43,10 +44,11 @@ from xlaserve.kernels.matmul import (
 )
 from xlaserve.kernels.quantized import QuantizedWeight, as_operand, is_quantized, quantize_int8
 from xlaserve.kernels.rms_norm import rms_norm
+from xlaserve.kernels.rope_kv_write import rope_kv_write
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.moe import ONE_DEVICE, ExpertShard, moe_mlp, moe_param_axes, moe_param_shapes
 from xlaserve.models.quantize import quantize_params, quantized_axes, quantized_shapes
-from xlaserve.models.rope import apply_rope, inverse_frequencies
+from xlaserve.models.rope import inverse_frequencies, rope_tables
 
 Params = dict[str, Any]
 
@@ -243,7 +245,7 @@ def decoder_layers(
     kvh, d = k_flat.shape[1], c.head_dim   # an int8 cache's rows are d + 4 bytes wide
     layers = jax.tree_util.tree_map(jnp.asarray, layers)   # host arrays, outside jit
     use_kernel = attention_backend_uses_kernels(attention_backend)
-    inv_freq = jnp.asarray(inverse_frequencies(c))
+    cos, sin = rope_tables(positions, jnp.asarray(inverse_frequencies(c)))   # [T, D/2] each
     wq, wk, wv = (_as_matrix(layers[n], 2) for n in ("wq", "wk", "wv"))  # [L, E, heads*D]
     wo = _as_matrix(layers["wo"], 1)                                      # [L, H*D, E]
     if not c.is_moe:
@@ -254,11 +256,11 @@ def decoder_layers(
     def layer_step(carry: tuple[jax.Array, ...], i: jax.Array) -> tuple[tuple[jax.Array, ...],
                                                                       None]:
         x, k_flat, v_flat = carry
-        q, k, v = _queries_keys_values(c, layers, (wq, wk, wv), i, x, positions, inv_freq,
-                                       (heads, kvh, d), use_kernel)
-        dest = i * per_layer + meta.slot_mapping                          # [T]
-        k_flat = k_flat.at[dest].set(to_cache_rows(k, k_flat.dtype), mode="drop")
-        v_flat = v_flat.at[dest].set(to_cache_rows(v, v_flat.dtype), mode="drop")
+        q, k, v = _queries_keys_values(c, layers, (wq, wk, wv), i, x, (heads, kvh, d),
+                                       use_kernel)
+        q, k_flat, v_flat = rope_kv_write(q, k, v, cos, sin, k_flat, v_flat, i,
+                                          meta.slot_mapping, rows_per_layer=per_layer,
+                                          use_kernel=use_kernel)
         attn = attend(q, k_flat, v_flat, i, meta.token_rows, positions, meta.block_tables,
                       num_blocks=geometry.num_blocks, block_size=geometry.block_size,
                       scale=d ** -0.5, sliding_window=c.sliding_window,
@@ -287,12 +289,11 @@ def decoder_layers(
 
 
 def _queries_keys_values(c: ModelConfig, layers: Params, w_qkv: tuple[jax.Array, ...],
-                         i: jax.Array, x: jax.Array, positions: jax.Array,
-                         inv_freq: jax.Array, dims: tuple[int, int, int], use_kernel: bool,
-                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Layer i's q [T, H, D], k [T, K, D] (normed where the family norms them, then RoPE) and
-    v [T, K, D] from the residual stream x [T, E] (its pre-norm taken in the same call);
-    dims = (H, K, D) of this shard."""
+                         i: jax.Array, x: jax.Array, dims: tuple[int, int, int],
+                         use_kernel: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Layer i's q [T, H, D], k [T, K, D] (normed where the family norms them; RoPE comes
+    with the KV write, kernels/rope_kv_write.py) and v [T, K, D] from the residual stream
+    x [T, E] (its pre-norm taken in the same call); dims = (H, K, D) of this shard."""
     heads, kvh, d = dims
     t = x.shape[0]
     q, k, v = layer_matmul(x, w_qkv, i, use_kernel=use_kernel,
@@ -306,8 +307,6 @@ def _queries_keys_values(c: ModelConfig, layers: Params, w_qkv: tuple[jax.Array,
     elif c.qk_norm:        # Qwen3: RMSNorm over each head's D before RoPE
         q = rms_norm(q, layers["q_norm"][i], c.rms_norm_eps)
         k = rms_norm(k, layers["k_norm"][i], c.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)                            # [T, H, D]
-    k = apply_rope(k, positions, inv_freq)                            # [T, K, D]
     return q, k, v.reshape(t, kvh, d)
 
 

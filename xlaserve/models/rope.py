@@ -32,12 +32,10 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x: [..., N, D]; positions: [...] (e.g. [T]); inv_freq: [D // 2] -> [..., N, D]."""
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions [...] (e.g. [T]), inv_freq [D // 2] -> (cos, sin), each [..., D // 2] float32:
+    the rotation of every token, the same for every head and layer (applied by
+    kernels/rope_kv_write.rotate)."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq       # [..., D/2]
-    cos = jnp.cos(angles)[..., None, :]                                # [..., 1, D/2]
-    sin = jnp.sin(angles)[..., None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return jnp.cos(angles), jnp.sin(angles)
+

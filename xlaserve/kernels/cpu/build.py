@@ -46,6 +46,7 @@ HANDLERS = {
     "xlaserve_matmul_packed_add": "XlaserveMatmulPackedAdd",
     "xlaserve_matmul_nt": "XlaserveMatmulNt",
     "xlaserve_paged_attention": "XlaservePagedAttention",
+    "xlaserve_rope_kv_write": "XlaserveRopeKvWrite",
     "xlaserve_top_k": "XlaserveTopK",
 }
 
