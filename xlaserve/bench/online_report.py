@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from xlaserve.bench.report import markdown_table
 from xlaserve.bench.stream_client import RequestRecord
 
 PERCENTILES = (50, 90, 99)
@@ -143,12 +144,4 @@ HEAD = ["rate req/s", "sent", "ok", "failed", "req/s", "out tok/s", "TTFT p50/p9
 
 def format_rate_table(summaries: list[dict[str, Any]]) -> str:
     """A Markdown table, one row per rate."""
-    body = [_row(s) for s in summaries]
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h)
-              for i, h in enumerate(HEAD)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(HEAD), rule, *(line(r) for r in body)])
+    return markdown_table(HEAD, [_row(s) for s in summaries])

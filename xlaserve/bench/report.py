@@ -1,7 +1,9 @@
-"""The benchmark's one table, from the systems' summary dicts (metrics.SystemResult.summary)."""
+"""The benchmark's one table, from the systems' summary dicts (metrics.SystemResult.summary),
+and the Markdown table every bench report prints."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 COLUMNS = (
@@ -24,10 +26,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     head = [title for _, title, _ in COLUMNS]
     body = [[("-" if row.get(key) is None else fmt.format(row[key]))
              for key, _, fmt in COLUMNS] for row in rows]
+    return markdown_table(head, body)
+
+
+def markdown_table(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """`head` over the rows of `body`, every column as wide as its widest cell."""
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h)
               for i, h in enumerate(head)]
 
-    def line(cells: list[str]) -> str:
+    def line(cells: Sequence[str]) -> str:
         return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
 
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -69,7 +70,8 @@ def decode_read_bytes(params: Params) -> int:
     return total - (rows - 1) * width * np.dtype(embed.dtype).itemsize
 
 
-def _median_seconds(fn: Any, repeats: int) -> float:
+def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """The median wall time of `repeats` calls of `fn`, after one untimed call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -91,7 +93,7 @@ def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, fl
 def _jax_pass_bandwidth(nbytes: int, repeats: int) -> float:
     x = jnp.ones(nbytes // 4, jnp.float32)
     negate = jax.jit(lambda a: -a)        # not simplified away, unlike a copy or a * 1
-    return 2 * x.nbytes / _median_seconds(lambda: negate(x).block_until_ready(), repeats)
+    return 2 * x.nbytes / median_seconds(lambda: negate(x).block_until_ready(), repeats)
 
 
 def _threaded_copy_bandwidth(nbytes: int, repeats: int) -> float:
@@ -106,7 +108,7 @@ def _threaded_copy_bandwidth(nbytes: int, repeats: int) -> float:
         def copy() -> None:
             list(pool.map(lambda b: np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]]), bounds))
 
-        return 2 * src.nbytes / _median_seconds(copy, repeats)
+        return 2 * src.nbytes / median_seconds(copy, repeats)
 
 
 def decode_step_ms(runner: ModelRunner, prompt: tuple[int, ...], steps: int = 20,

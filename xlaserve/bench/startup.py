@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 
+from xlaserve.bench.report import markdown_table
 from xlaserve.bench.roofline import param_bytes
 from xlaserve.checkpoints.store import load_config, load_params, save_params
 from xlaserve.models.config import ModelConfig
@@ -98,16 +99,10 @@ def format_rows(rows: list[StartupRow]) -> str:
     head = ("model", "layers", "params MiB", "load s", "decode compile s", "prefill compile s")
     body = [(r.name, str(r.layers), f"{r.param_mib:.1f}", f"{r.load_s:.2f}",
              f"{r.decode_compile_s:.2f}", f"{r.prefill_compile_s:.2f}") for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-
-    def line(cells: tuple[str, ...]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     r0 = rows[0]
     note = (f"buckets: decode {r0.decode_bucket} (includes its 1-row sampler), prefill "
             f"{r0.prefill_bucket}; persistent compilation cache off")
-    return "\n".join([line(head), rule, *(line(b) for b in body), note])
+    return markdown_table(head, body) + "\n" + note
 
 
 def startup_main(model_dir: str, variant_layers: int, chunk: int, width: int,

@@ -33,10 +33,6 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, 0, -1))
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise ValueError(f"static batch needs {n} more KV blocks, {len(self._free)} free "

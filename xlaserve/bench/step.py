@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,21 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.bench.roofline import decode_read_bytes
+from xlaserve.bench.roofline import decode_read_bytes, median_seconds
 from xlaserve.models.config import ModelConfig
 from xlaserve.serving.runner.runner import ModelRunner, RowInput
 from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
-
-
-def _median(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
 
 # -- probes ---------------------------------------------------------------------------------------
 
@@ -64,7 +52,7 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, float
     out = {}
     with ThreadPoolExecutor(n) as pool:
         for name, f in probes.items():
-            sec = _median(lambda: list(pool.map(lambda b: f(*b), bounds)), repeats)
+            sec = median_seconds(lambda: list(pool.map(lambda b: f(*b), bounds)), repeats)
             out[f"read_{name}"] = a.nbytes / sec / 1e9
     return out
 
@@ -76,7 +64,7 @@ def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     n = os.cpu_count() or 1
     bounds = [(int(p[0]), int(p[-1]) + 1) for p in np.array_split(np.arange(src.size), n)]
     with ThreadPoolExecutor(n) as pool:
-        sec = _median(lambda: list(pool.map(
+        sec = median_seconds(lambda: list(pool.map(
             lambda b: np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]]), bounds)), repeats)
     return 2 * src.nbytes / sec / 1e9
 
@@ -91,10 +79,10 @@ def gemm_rate(n: int = 1024, repeats: int = 5) -> dict[str, float]:
     flops = 2.0 * n ** 3
     out = {}
     xla = jax.jit(lambda x, w: x @ w)
-    out["xla_dot"] = flops / _median(lambda: xla(x, w).block_until_ready(), repeats) / 1e9
+    out["xla_dot"] = flops / median_seconds(lambda: xla(x, w).block_until_ready(), repeats) / 1e9
     if uses_kernel(x, True):
         native = jax.jit(lambda x, w: layer_matmul(x, (w,), jnp.int32(0))[0])
-        out["native"] = flops / _median(lambda: native(x, w).block_until_ready(),
+        out["native"] = flops / median_seconds(lambda: native(x, w).block_until_ready(),
                                         repeats) / 1e9
     return out
 
@@ -189,7 +177,7 @@ def decode_rows(runner: ModelRunner, rows: int, context: int, width: int) -> lis
 
 
 def time_rows(runner: ModelRunner, rows: list[RowInput], repeats: int) -> float:
-    return _median(lambda: runner.run(rows).out.tokens.block_until_ready(), repeats) * 1e3
+    return median_seconds(lambda: runner.run(rows).out.tokens.block_until_ready(), repeats) * 1e3
 
 
 def time_pipelined(runner: ModelRunner, rows: list[RowInput], steps: int) -> float:

@@ -132,11 +132,6 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
-    def group_size(self) -> int:
-        """Query heads per KV head (GQA ratio)."""
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def num_params(self) -> int:
         e, f, layers = self.hidden_size, self.intermediate_size, self.num_layers
         attn = e * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)

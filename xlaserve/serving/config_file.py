@@ -66,13 +66,26 @@ def _typed_fields(cls: type, data: Mapping[str, Any], where: str) -> dict[str, A
     return {k: _typed(hints[k], v, f"{where}.{k}") for k, v in data.items()}
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
+# The sections a file may hold besides [server], [limits.<tier>] and [[models]]: each one
+# table that builds the ServerConfig field of the same name.
+_SECTIONS: dict[str, type] = {
+    "auth": AuthConfig, "admission": AdmissionConfig, "router": RouterConfig,
+    "auto": AutoRouteConfig, "audit": AuditConfig, "grpc": GrpcClientConfig,
+    "tracing": TracingConfig,
+}
+
+
+def _check_table(data: Any, names: set[str], where: str) -> None:
+    """`data` is a table whose keys are all in `names`."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected a table, got {type(data).__name__}")  # noqa: TRY004
-    names = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(names)}")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    _check_table(data, {f.name for f in fields(cls)}, where)
     kw = _typed_fields(cls, data, where)
     try:
         return cls(**kw)
@@ -82,40 +95,23 @@ def _build(cls: type, data: Any, where: str) -> Any:
 
 def config_from_dict(data: Mapping[str, Any]) -> ServerConfig:
     """Build a ServerConfig from the file layout in the module docstring."""
-    known = {"server", "auth", "limits", "admission", "router", "auto", "audit", "grpc",
-             "tracing", "models"}
+    known = {"server", "limits", "models", *_SECTIONS}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"config: unknown section(s) {unknown}; known: {sorted(known)}")
     server = data.get("server", {})
-    if not isinstance(server, dict):
-        raise ValueError(f"[server]: expected a table, got {type(server).__name__}")  # noqa: TRY004
-    server_names = {f.name for f in fields(ServerConfig)} - known
-    bad = sorted(set(server) - server_names)
-    if bad:
-        raise ValueError(f"[server]: unknown key(s) {bad}; known: {sorted(server_names)}")
+    _check_table(server, {f.name for f in fields(ServerConfig)} - known, "[server]")
     kw: dict[str, Any] = _typed_fields(ServerConfig, server, "[server]")
     for section, kind in (("limits", dict), ("models", list)):
         if section in data and not isinstance(data[section], kind):
             raise ValueError(f"[{section}]: expected {'a table' if kind is dict else 'an array'}"
                              f", got {type(data[section]).__name__}")
-    if "auth" in data:
-        kw["auth"] = _build(AuthConfig, data["auth"], "[auth]")
+    for name, cls in _SECTIONS.items():
+        if name in data:
+            kw[name] = _build(cls, data[name], f"[{name}]")
     if "limits" in data:
         kw["limits"] = {t: _build(TierLimits, v, f"[limits.{t}]")
                         for t, v in data["limits"].items()}
-    if "admission" in data:
-        kw["admission"] = _build(AdmissionConfig, data["admission"], "[admission]")
-    if "router" in data:
-        kw["router"] = _build(RouterConfig, data["router"], "[router]")
-    if "auto" in data:
-        kw["auto"] = _build(AutoRouteConfig, data["auto"], "[auto]")
-    if "audit" in data:
-        kw["audit"] = _build(AuditConfig, data["audit"], "[audit]")
-    if "grpc" in data:
-        kw["grpc"] = _build(GrpcClientConfig, data["grpc"], "[grpc]")
-    if "tracing" in data:
-        kw["tracing"] = _build(TracingConfig, data["tracing"], "[tracing]")
     kw["models"] = tuple(_build(ServedModel, m, f"[[models]] #{i}")
                          for i, m in enumerate(data.get("models", [])))
     return ServerConfig(**kw)

@@ -81,21 +81,12 @@ class ShardLayout:
         return k // self.mesh.tensor if self.kv_heads_split else k
 
     @property
-    def vocab_per_shard(self) -> int:
-        v = self.model.vocab_size
-        return v // self.mesh.tensor if self.vocab_split else v
-
-    @property
     def experts_split(self) -> bool:
         return self.model.is_moe and self.mesh.expert > 1
 
     @property
     def experts_per_shard(self) -> int:
         return self.model.num_experts // self.mesh.expert
-
-    @property
-    def layers_per_stage(self) -> int:
-        return self.model.num_layers // self.mesh.pipeline
 
     # -- PartitionSpecs and shardings ------------------------------------------------------------
 
@@ -146,10 +137,6 @@ class ShardLayout:
             return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
 
         return jax.tree_util.tree_map(place, params, self.param_shardings(mesh))
-
-    def shard_kv(self, kv: KVCache, mesh: Mesh) -> KVCache:
-        sharding = self.kv_sharding(mesh)
-        return KVCache(jax.device_put(kv.k, sharding), jax.device_put(kv.v, sharding))
 
     def init_kv_cache(self, mesh: Mesh, num_blocks: int, block_size: int,
                       dtype: str | None = None) -> KVCache:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from xlaserve.models.config import ModelConfig
 from xlaserve.sharding.mesh import MeshConfig
@@ -93,8 +93,3 @@ def partition_spec(axes: LogicalAxes, rules: Mapping[str, str | None] = DEFAULT_
             target = None
         out.append(target)
     return PartitionSpec(*out)
-
-
-def named_sharding(mesh: Mesh, axes: LogicalAxes,
-                   rules: Mapping[str, str | None] = DEFAULT_RULES) -> NamedSharding:
-    return NamedSharding(mesh, partition_spec(axes, rules, mesh))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import MutableSequence
+from dataclasses import asdict, fields
+from typing import Any
+
 from xlaserve.serving.engine_api import EngineStats, ServiceCosts
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.structured.constraint import Constraint
@@ -14,6 +18,13 @@ from xlaserve.serving.types import (
     TokenLogprob,
     Usage,
 )
+
+
+def _fields_from(cls: type, m: Any) -> dict[str, Any]:
+    """The fields of the dataclass `cls`, read from the message `m` that names them the same
+    (a repeated field as a tuple)."""
+    values = {f.name: getattr(m, f.name) for f in fields(cls)}
+    return {k: tuple(v) if isinstance(v, MutableSequence) else v for k, v in values.items()}
 
 
 def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
@@ -68,11 +79,7 @@ def event_to_pb(e: EngineEvent) -> pb.GenerateResponse:
                                           top_token_ids=[t for t, _ in lp.top],
                                           top_logprobs=[v for _, v in lp.top]))
     if e.usage is not None:
-        m.usage.CopyFrom(pb.Usage(prompt_tokens=e.usage.prompt_tokens,
-                                  completion_tokens=e.usage.completion_tokens,
-                                  cached_tokens=e.usage.cached_tokens,
-                                  num_draft_tokens=e.usage.num_draft_tokens,
-                                  num_accepted_tokens=e.usage.num_accepted_tokens))
+        m.usage.CopyFrom(pb.Usage(**asdict(e.usage)))
     if e.kv_handoff is not None:
         h = e.kv_handoff
         m.kv_blocks, m.kv_bytes, m.kv_seconds = h.blocks, h.nbytes, h.seconds
@@ -86,9 +93,7 @@ def event_from_pb(m: pb.GenerateResponse) -> EngineEvent:
                                     tuple(zip(lp.top_token_ids, lp.top_logprobs)))
                        for lp in m.logprobs),
         finish_reason=m.finish_reason or None,
-        usage=Usage(m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.cached_tokens,
-                    m.usage.num_draft_tokens, m.usage.num_accepted_tokens)
-        if m.HasField("usage") else None,
+        usage=Usage(**_fields_from(Usage, m.usage)) if m.HasField("usage") else None,
         error=m.error or None,
         kv_handoff=KVHandoff(m.kv_blocks, m.kv_bytes, m.kv_seconds) if m.kv_seconds else None)
 
@@ -101,27 +106,12 @@ def tier_from_pb(v: int) -> Tier:
 
 
 def stats_to_pb(s: EngineStats, costs: ServiceCosts, ready: bool) -> pb.EngineStats:
-    return pb.EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
-                          kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used,
-                          kv_blocks_cached=s.kv_blocks_cached,
-                          prefix_cache_queries=s.prefix_cache_queries,
-                          prefix_cache_hits=s.prefix_cache_hits,
-                          num_preemptions=s.num_preemptions, num_finished=s.num_finished,
-                          ready=ready, max_running=costs.max_running, step_s=costs.step_s,
-                          prefill_tokens_per_s=costs.prefill_tokens_per_s,
-                          spec_num_drafts=s.spec_num_drafts,
-                          spec_num_draft_tokens=s.spec_num_draft_tokens,
-                          spec_num_accepted_tokens=s.spec_num_accepted_tokens,
-                          spec_acceptance_counts=list(s.spec_acceptance_counts))
+    return pb.EngineStats(**asdict(s), **asdict(costs), ready=ready)
 
 
 def stats_from_pb(m: pb.EngineStats) -> EngineStats:
-    return EngineStats(m.num_running, m.num_waiting, m.kv_blocks_total, m.kv_blocks_used,
-                       m.kv_blocks_cached, m.prefix_cache_queries, m.prefix_cache_hits,
-                       m.num_preemptions, m.num_finished, m.spec_num_drafts,
-                       m.spec_num_draft_tokens, m.spec_num_accepted_tokens,
-                       tuple(m.spec_acceptance_counts))
+    return EngineStats(**_fields_from(EngineStats, m))
 
 
 def costs_from_pb(m: pb.EngineStats) -> ServiceCosts:
-    return ServiceCosts(m.max_running, m.step_s, m.prefill_tokens_per_s)
+    return ServiceCosts(**_fields_from(ServiceCosts, m))
