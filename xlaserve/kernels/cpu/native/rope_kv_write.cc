@@ -39,10 +39,10 @@ namespace {
 
 constexpr int64_t kTokensPerItem = 32;
 
-// heads x D floats of one token, rotated by (cos, sin) [D/2] from `src` into `dst` (which
-// may be `src`: each pair is read before it is written).
-void rotate(const float* src, float* dst, int64_t heads, int64_t D, const float* cos,
-            const float* sin) {
+// heads x D floats of one token, rotated by (cos, sin) [D/2] from `src` into `dst` (another
+// buffer: q_out is not aliased to q, and k goes into the cache).
+void rotate(const float* __restrict src, float* __restrict dst, int64_t heads, int64_t D,
+            const float* __restrict cos, const float* __restrict sin) {
   const int64_t half = D / 2;
   for (int64_t h = 0; h < heads; ++h) {
     const float* x = src + h * D;
