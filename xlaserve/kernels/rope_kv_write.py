@@ -9,7 +9,8 @@
     -> (q rotated, k_flat with row layer*N*bs + slot = rotate(k), v_flat with that row = v)
 
 RoPE is the "rotate half" layout (HF's): out[:D/2] = x1 cos - x2 sin, out[D/2:] = x2 cos +
-x1 sin.  A token whose row falls outside the cache writes nothing (pipeline bubbles rely on it).
+x1 sin.  A token whose row falls past the cache writes nothing (pipeline bubbles rely on it);
+a negative row counts from the end, as jnp's .at[] does.
 
 Three faces: the native CPU kernel (`kernels/cpu/native/rope_kv_write.cc`, one FFI call in
 place of XLA's rotation and scatter fusions; the caches are its outputs aliased to its inputs,
