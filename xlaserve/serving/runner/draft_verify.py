@@ -31,23 +31,41 @@ def verify_drafts(logits: jax.Array, s: SamplingArrays, allowed: jax.Array | Non
                   ) -> SampleOutput:
     """logits: [B, V]; out: the plain draw of every row; draft_token: [B] int32 (-1: none);
     draft_probs: [B, V] q of the rows with a draft.  Returns `out` with the tokens (and
-    their logprobs) of the draft rows replaced by the accept-or-resample outcome."""
+    their logprobs) of the draft rows replaced by the accept-or-resample outcome.  Row by row
+    (lax.map): the [B, V] temporaries of a batched branch would be allocated on every call
+    of the sampler, taken or not (sampling._draw_sorted says what that costs)."""
     has = (draft_token >= 0) & (s.temperature > 0)
+    wanted = jnp.ones_like(has) if s.logprobs is None else s.logprobs
+
+    def row(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        logits1, s1, allowed1, q1, d1, has1, wanted1, token1, lp1 = jax.tree_util.tree_map(
+            lambda a: a[None], xs)
+        def resolved(_: None) -> tuple[jax.Array, jax.Array]:
+            token, lp = _resolve(logits1, s1, allowed1, q1, d1)
+            return token, jnp.where(wanted1[0], lp, lp1[0])
+
+        return jax.lax.cond(has1[0], resolved, lambda _: (token1[0], lp1[0]), None)
 
     def resolve(_: None) -> SampleOutput:
-        p = filtered_probs(logits, s, allowed)                          # [B, V]
-        d = jnp.maximum(draft_token, 0)[:, None]                        # [B, 1]
-        p_d = jnp.take_along_axis(p, d, axis=-1)[:, 0]
-        q_d = jnp.take_along_axis(draft_probs, d, axis=-1)[:, 0]
-        accept = salted_uniforms(s, ACCEPT_SALT) * q_d < p_d
-        residual = jnp.maximum(p - draft_probs, 0.0)
-        residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p)
-        redrawn = _inverse_cdf(residual, salted_uniforms(s, RESIDUAL_SALT))
-        tokens = jnp.where(has, jnp.where(accept, draft_token, redrawn), out.tokens)
-        lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None],
-                                 axis=-1)[:, 0]
-        wanted = jnp.ones_like(has) if s.logprobs is None else s.logprobs
-        logprob = jnp.where(has & wanted, lp, out.logprob)
-        return out._replace(tokens=tokens.astype(jnp.int32), logprob=logprob)
+        tokens, logprob = jax.lax.map(row, (logits, s, allowed, draft_probs, draft_token, has,
+                                            wanted, out.tokens, out.logprob))
+        return out._replace(tokens=tokens, logprob=logprob)
 
     return jax.lax.cond(jnp.any(has), resolve, lambda _: out, None)
+
+
+def _resolve(logits: jax.Array, s: SamplingArrays, allowed: jax.Array | None,
+             draft_probs: jax.Array, draft_token: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One draft row ([1, V] / [1]): its token (the accepted draft or the residual draw) and
+    that token's logprob, as [] scalars."""
+    p = filtered_probs(logits, s, allowed)                              # [1, V]
+    d = jnp.maximum(draft_token, 0)[:, None]                            # [1, 1]
+    p_d = jnp.take_along_axis(p, d, axis=-1)[:, 0]
+    q_d = jnp.take_along_axis(draft_probs, d, axis=-1)[:, 0]
+    accept = salted_uniforms(s, ACCEPT_SALT) * q_d < p_d
+    residual = jnp.maximum(p - draft_probs, 0.0)
+    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p)
+    redrawn = _inverse_cdf(residual, salted_uniforms(s, RESIDUAL_SALT))
+    tokens = jnp.where(accept, draft_token, redrawn).astype(jnp.int32)
+    lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)
+    return tokens[0], lp[0, 0]
