@@ -184,3 +184,37 @@ def test_the_normed_call_replaces_xlas_norm_fusions():
         x, g, w).compile().as_text()
     assert "xlaserve_matmul_packed_normed" in hlo
     assert "reduce" not in hlo and "rsqrt" not in hlo, hlo
+
+
+@pytest.mark.parametrize("m,used", [(64, 37), (16, 1), (9, 9), (40, 0), (8, 99)])
+def test_rows_past_the_used_ones_are_zeros(m, used):
+    """rows=n: the first n rows (clamped to [0, M]) as without it, the rest zeros, on every
+    packed call (plain, pre-norm, residual, gated) and on the unpacked path alike."""
+    from xlaserve.kernels.matmul import gated_matmul, gated_matmul_reference, pack_weight
+
+    rng = np.random.default_rng(m + used)
+    k, n = 96, 53
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    up = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((2, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, k, n)), jnp.float32)
+    keep = (np.arange(m) < used)[:, None]
+    calls = {
+        "plain": (lambda w, n_: layer_matmul(x, (w,), jnp.int32(1), rows=n_)[0],
+                  layer_matmul_reference(x, (w,), 1)[0]),
+        "residual": (lambda w, n_: layer_matmul(x, (w,), jnp.int32(1), residual=r, rows=n_)[0],
+                     r + layer_matmul_reference(x, (w,), 1)[0]),
+        "gated": (lambda w, n_: gated_matmul(x, up, w, jnp.int32(1), residual=r, rows=n_),
+                  r + gated_matmul_reference(x, up, w, 1)),
+    }
+    from xlaserve.kernels.rms_norm import rms_norm
+    calls["norm"] = (lambda w, n_: layer_matmul(x, (w,), jnp.int32(1), norm=(g, 1e-5),
+                                                rows=n_)[0],
+                     layer_matmul_reference(rms_norm(x, g[1], 1e-5), (w,), 1)[0])
+    for name, (call, full) in calls.items():
+        want = np.where(keep, np.asarray(full), 0.0)
+        for weight in (pack_weight(w), w):
+            got = np.asarray(jax.jit(call)(weight, jnp.int32(used)))
+            assert rel_error(got, want) < 1e-5, name
+            assert not got[min(used, m):].any(), name

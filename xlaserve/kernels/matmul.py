@@ -164,14 +164,22 @@ def _check_residual(name: str, residual: jax.Array | None, shape: tuple[int, int
 
 def layer_matmul(x: jax.Array, weights: Sequence[Operand], layer: jax.Array,
                  *, use_kernel: bool = True, residual: jax.Array | None = None,
-                 norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, ...]:
+                 norm: tuple[jax.Array, float] | None = None,
+                 rows: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """(x @ w[layer] for w in weights): x [M, K], each w [L, K, N_i] (or packed) -> tuple of
     [M, N_i].  Packed weights go all together (one call) or not at all.  With `residual`
     [M, N] (one weight only): (residual + x @ w[layer],), in the same pass on packed panels.
     With `norm` = (g [L, K], eps): x is rms_norm(x, g[layer], eps) first, made inside the
-    kernel's call on packed panels (XLA runs it as small single-threaded fusions)."""
+    kernel's call on packed panels (XLA runs it as small single-threaded fusions).  With
+    `rows` ([] int32): only x's first `rows` rows count, the outputs' later rows are zeros
+    (a step's padding: packed panels skip its FMAs)."""
     weights = tuple(weights)
     check_layer_matmul(x, weights)
+    if rows is not None and not (all(isinstance(w, PackedWeight) for w in weights)
+                                 and uses_kernel(x, use_kernel)):
+        return tuple(zero_rows_past(y, rows) for y in layer_matmul(
+            x, weights, layer, use_kernel=use_kernel, residual=residual, norm=norm))
+    used = _rows_operand(x, rows)
     if norm is not None:
         g, eps = norm
         if g.ndim != 2 or g.shape[1] != x.shape[1] or g.dtype != x.dtype:
@@ -185,7 +193,7 @@ def layer_matmul(x: jax.Array, weights: Sequence[Operand], layer: jax.Array,
         out = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32)
                     for w in weights)
         return tuple(jax.ffi.ffi_call("xlaserve_matmul_packed_normed", out)(
-            x, jnp.asarray(layer, jnp.int32).reshape(()), g,
+            x, jnp.asarray(layer, jnp.int32).reshape(()), used, g,
             *(a for w in weights for a in w.kernel_args()), eps=np.float32(eps)))
     if residual is not None:
         if len(weights) != 1:
@@ -197,7 +205,7 @@ def layer_matmul(x: jax.Array, weights: Sequence[Operand], layer: jax.Array,
             out = jax.ShapeDtypeStruct(residual.shape, jnp.float32)
             layer = jnp.asarray(layer, jnp.int32).reshape(())
             return (jax.ffi.ffi_call("xlaserve_matmul_packed_add", out)(
-                x, layer, residual, *w.kernel_args()),)
+                x, layer, used, residual, *w.kernel_args()),)
         (y,) = layer_matmul(x, weights, layer, use_kernel=use_kernel)
         return (residual + y,)
     packed = [isinstance(w, PackedWeight) for w in weights]
@@ -207,7 +215,7 @@ def layer_matmul(x: jax.Array, weights: Sequence[Operand], layer: jax.Array,
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     if all(packed):
         return tuple(jax.ffi.ffi_call("xlaserve_matmul_packed", out)(
-            x, layer, *(a for w in weights for a in w.kernel_args())))
+            x, layer, used, *(a for w in weights for a in w.kernel_args())))
     if any(packed):
         raise ValueError("layer_matmul: packed and unpacked weights in one call")
     return tuple(jax.ffi.ffi_call("xlaserve_matmul", out)(x, layer, *weights))
@@ -215,25 +223,37 @@ def layer_matmul(x: jax.Array, weights: Sequence[Operand], layer: jax.Array,
 
 def gated_matmul(gate: jax.Array, up: jax.Array, w: Operand,
                  layer: jax.Array, *, use_kernel: bool = True,
-                 residual: jax.Array | None = None) -> jax.Array:
+                 residual: jax.Array | None = None, rows: jax.Array | None = None
+                 ) -> jax.Array:
     """The MLP's down projection, [residual +] (silu(gate) * up) @ w[layer]: gate, up [M, F],
     w [L, F, N] (or packed), residual [M, N] -> [M, N].  On packed weights the kernel makes
     the activations itself, on every core (XLA's fused silu runs on one), and adds the
-    residual as it writes; otherwise silu * up, then layer_matmul."""
+    residual as it writes; otherwise silu * up, then layer_matmul.  `rows` as in
+    layer_matmul."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gated_matmul: gate {gate.shape} {gate.dtype} and up {up.shape} "
                          f"{up.dtype} must match")
     if not (isinstance(w, PackedWeight) and uses_kernel(gate, use_kernel)):
         (y,) = layer_matmul(jax.nn.silu(gate) * up, (w,), layer, use_kernel=use_kernel,
-                            residual=residual)
+                            residual=residual, rows=rows)
         return y
     check_layer_matmul(gate, (w,))
     _check_residual("gated_matmul", residual, (gate.shape[0], w.shape[-1]), gate.dtype)
     out = jax.ShapeDtypeStruct((gate.shape[0], w.shape[-1]), jnp.float32)
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     extra = () if residual is None else (residual,)
-    return jax.ffi.ffi_call("xlaserve_matmul_packed_gated", out)(gate, up, layer,
-                                                                 *w.kernel_args(), *extra)
+    return jax.ffi.ffi_call("xlaserve_matmul_packed_gated", out)(
+        gate, up, layer, _rows_operand(gate, rows), *w.kernel_args(), *extra)
+
+
+def zero_rows_past(y: jax.Array, rows: jax.Array) -> jax.Array:
+    """y [M, N] with its rows from `rows` on zeroed (the kernels' `rows` on the jnp path)."""
+    return jnp.where((jnp.arange(y.shape[0]) < rows)[:, None], y, 0.0).astype(y.dtype)
+
+
+def _rows_operand(x: jax.Array, rows: jax.Array | None) -> jax.Array:
+    """The kernels' `rows` operand: [] int32, every row of x [M, K] when None."""
+    return jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(())
 
 
 def head_matmul(x: jax.Array, table: jax.Array, *, use_kernel: bool = True) -> jax.Array:

@@ -252,12 +252,17 @@ def decoder_layers(
         w_gate, w_up, w_down = (_as_matrix(layers[n], 2) for n in ("w_gate", "w_up", "w_down"))
     heads = wq.shape[-1] // d
     per_layer = geometry.num_blocks * geometry.block_size
+    # The tokens up to the last real one (the flat batch is padded at its end): the CPU
+    # matmuls on packed panels skip the padding's rows.  None elsewhere: every row computed.
+    used = None
+    if use_kernel and isinstance(wq, PackedWeight):
+        used = jnp.max(jnp.where(meta.token_rows >= 0, jnp.arange(1, t + 1, dtype=jnp.int32), 0))
 
     def layer_step(carry: tuple[jax.Array, ...], i: jax.Array) -> tuple[tuple[jax.Array, ...],
                                                                       None]:
         x, k_flat, v_flat = carry
         q, k, v = _queries_keys_values(c, layers, (wq, wk, wv), i, x, (heads, kvh, d),
-                                       use_kernel)
+                                       use_kernel, used)
         q, k_flat, v_flat = rope_kv_write(q, k, v, cos, sin, k_flat, v_flat, i,
                                           meta.slot_mapping, rows_per_layer=per_layer,
                                           use_kernel=use_kernel)
@@ -267,7 +272,7 @@ def decoder_layers(
                       backend=attention_backend)                          # [T, H, D]
         if reduce is None:   # one device: the residual add inside the matmul
             (x,) = layer_matmul(attn.reshape(t, heads * d), (wo,), i, use_kernel=use_kernel,
-                                residual=x)
+                                residual=x, rows=used)
         else:
             (o,) = layer_matmul(attn.reshape(t, heads * d), (wo,), i, use_kernel=use_kernel)
             x = x + reduce(o)
@@ -275,9 +280,9 @@ def decoder_layers(
             h = rms_norm(x, layers["mlp_norm"][i], c.rms_norm_eps)
             return (x + moe_mlp(c, layers, i, h, experts), k_flat, v_flat), None
         gate, up = layer_matmul(x, (w_gate, w_up), i, use_kernel=use_kernel,
-                                norm=(layers["mlp_norm"], c.rms_norm_eps))
+                                norm=(layers["mlp_norm"], c.rms_norm_eps), rows=used)
         if reduce is None:
-            x = gated_matmul(gate, up, w_down, i, use_kernel=use_kernel, residual=x)
+            x = gated_matmul(gate, up, w_down, i, use_kernel=use_kernel, residual=x, rows=used)
         else:
             x = x + reduce(gated_matmul(gate, up, w_down, i, use_kernel=use_kernel))
         return (x, k_flat, v_flat), None
@@ -290,14 +295,16 @@ def decoder_layers(
 
 def _queries_keys_values(c: ModelConfig, layers: Params, w_qkv: tuple[jax.Array, ...],
                          i: jax.Array, x: jax.Array, dims: tuple[int, int, int],
-                         use_kernel: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+                         use_kernel: bool, used: jax.Array | None
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Layer i's q [T, H, D], k [T, K, D] (normed where the family norms them; RoPE comes
     with the KV write, kernels/rope_kv_write.py) and v [T, K, D] from the residual stream
-    x [T, E] (its pre-norm taken in the same call); dims = (H, K, D) of this shard."""
+    x [T, E] (its pre-norm taken in the same call); dims = (H, K, D) of this shard; rows
+    from `used` on are zeros (layer_matmul's `rows`)."""
     heads, kvh, d = dims
     t = x.shape[0]
     q, k, v = layer_matmul(x, w_qkv, i, use_kernel=use_kernel,
-                           norm=(layers["attn_norm"], c.rms_norm_eps))
+                           norm=(layers["attn_norm"], c.rms_norm_eps), rows=used)
     if c.attention_bias:   # Qwen2: [H or K, D] per layer, this shard's heads
         q, k, v = (a + layers[b][i].reshape(-1) for a, b in zip((q, k, v), ("bq", "bk", "bv")))
     q, k = q.reshape(t, heads, d), k.reshape(t, kvh, d)

@@ -1,16 +1,21 @@
 // Weight matmuls over packed panels, float32 or int8 (weight-only quantized).
 //
-//   xlaserve_matmul_packed   x [M, K] f32, layer [] i32, then per weight j: p_j [L, T_j, K, TN]
+//   xlaserve_matmul_packed   x [M, K] f32, layer [] i32, rows [] i32, then per weight j:
+//                            p_j [L, T_j, K, TN]
 //                            (f32, or s8 followed by its scales s_j [L, T_j, K / G, TN] f32)
 //                            -> y_j [M, N_j] = x @ w_j[layer], T_j = ceil(N_j / TN)
-//   xlaserve_matmul_packed_normed x [M, K], layer, norm [L, K] f32, then p_j [, s_j] as above;
+//   xlaserve_matmul_packed_normed x [M, K], layer, rows, norm [L, K] f32, then p_j [, s_j];
 //                            attr eps -> y_j = rms_norm(x, norm[layer]) @ w_j[layer]  (q/k/v
 //                            and gate/up take the layer's pre-norm in the same call)
-//   xlaserve_matmul_packed_add    x [M, K], layer, residual [M, N], p [L, T, K, TN] [, s]
+//   xlaserve_matmul_packed_add    x [M, K], layer, rows, residual [M, N], p [L, T, K, TN] [, s]
 //                            -> y [M, N] = residual + x @ w[layer]      (o: the residual update)
-//   xlaserve_matmul_packed_gated  gate [M, F], up [M, F] f32, layer [] i32, p [L, T, F, TN]
+//   xlaserve_matmul_packed_gated  gate [M, F], up [M, F] f32, layer, rows, p [L, T, F, TN]
 //                            [, s] [, residual [M, N]]
 //                            -> y [M, N] = [residual +] (silu(gate) * up) @ w[layer]  (down)
+//
+// `rows`: only x's first `rows` rows are computed (clamped to [0, M]); y's later rows are zeros.
+// A step's flat batch is padded at its end up to the bucket's T (serving/runner/host_step.py),
+// so the padding costs no FMAs (a 157-token prompt in the 256 bucket: 39% of the work).
 //
 // The weights are stored as column panels (kernels/matmul.py packs them once at load):
 // p[l, t, k, c] = w[l, k, t * TN + c], zero past N, TN = kTileN.  A panel is one contiguous run
@@ -218,6 +223,21 @@ void run_panels(const float* xp, int64_t M, int64_t K, const std::vector<Panel>&
   });
 }
 
+// x's rows in use, `rows` clamped to [0, M].
+int64_t rows_in_use(ffi::Buffer<ffi::S32, 0> rows, int64_t M) {
+  return std::clamp<int64_t>(*rows.typed_data(), 0, M);
+}
+
+// y = x @ w over x's first `used` rows of M (run_panels), zeros in y's rows [used, M).
+void run_used_rows(const float* xp, int64_t used, int64_t M, int64_t K,
+                   const std::vector<Panel>& panels) {
+  run_panels(xp, used, K, panels);
+  for (const Panel& p : panels) {
+    const int64_t width = std::min<int64_t>(kTileN, p.N - p.n0);
+    for (int64_t m = used; m < M; ++m) std::fill_n(p.y + m * p.N + p.n0, width, 0.0f);
+  }
+}
+
 // The panels of every (weight, output) pair of `weights` / `outputs` for x [M, K] at layer l;
 // an error message naming `name` when they do not fit.
 const char* collect_panels(ffi::RemainingArgs& weights, ffi::RemainingRets& outputs, int64_t M,
@@ -238,13 +258,14 @@ const char* collect_panels(ffi::RemainingArgs& weights, ffi::RemainingRets& outp
 }
 
 ffi::Error MatmulPacked(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> layer,
-                        ffi::RemainingArgs weights, ffi::RemainingRets outputs) {
+                        ffi::Buffer<ffi::S32, 0> rows, ffi::RemainingArgs weights,
+                        ffi::RemainingRets outputs) {
   ScopedTimer timer(Kernel::kMatmul);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   std::vector<Panel> panels;
   if (const char* bad = collect_panels(weights, outputs, M, K, *layer.typed_data(), panels))
     return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed: ") + bad);
-  run_panels(x.typed_data(), M, K, panels);
+  run_used_rows(x.typed_data(), rows_in_use(rows, M), M, K, panels);
   return ffi::Error::Success();
 }
 
@@ -289,7 +310,8 @@ void rms_norm_rows(const float* x, const float* w, float eps, int64_t K, int64_t
 // (over the workers when the rows are many), then the panels as in MatmulPacked.  XLA ran
 // each norm as four small single-threaded fusions, eight a layer.
 ffi::Error MatmulPackedNormed(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> layer,
-                              ffi::Buffer<ffi::F32, 2> norm, ffi::RemainingArgs weights,
+                              ffi::Buffer<ffi::S32, 0> rows, ffi::Buffer<ffi::F32, 2> norm,
+                              ffi::RemainingArgs weights,
                               ffi::RemainingRets outputs, float eps) {
   ScopedTimer timer(Kernel::kMatmul);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
@@ -301,19 +323,21 @@ ffi::Error MatmulPackedNormed(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 
   if (const char* bad = collect_panels(weights, outputs, M, K, l, panels))
     return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_normed: ") + bad);
   thread_local std::vector<float> scratch;   // the calling thread's: workers get `h`
-  scratch.resize(M * K);
+  const int64_t used = rows_in_use(rows, M);
+  scratch.resize(used * K);
   float* h = scratch.data();
   const float* w = norm.typed_data() + static_cast<int64_t>(l) * K;
-  by_row_items(M, [&](int64_t m0, int64_t m1) {
+  by_row_items(used, [&](int64_t m0, int64_t m1) {
     rms_norm_rows(x.typed_data(), w, eps, K, m0, m1, h);
   });
-  run_panels(h, M, K, panels);
+  run_used_rows(h, used, M, K, panels);
   return ffi::Error::Success();
 }
 
 // y = residual + x @ w[layer] (the residual stream's update by o or down, in one pass).
 ffi::Error MatmulPackedAdd(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> layer,
-                           ffi::Buffer<ffi::F32, 2> residual, ffi::RemainingArgs rest,
+                           ffi::Buffer<ffi::S32, 0> rows, ffi::Buffer<ffi::F32, 2> residual,
+                           ffi::RemainingArgs rest,
                            ffi::ResultBuffer<ffi::F32, 2> y) {
   ScopedTimer timer(Kernel::kMatmul);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
@@ -330,7 +354,7 @@ ffi::Error MatmulPackedAdd(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> 
     bad = add_panels(w, y->typed_data(), M, yd[1], yd[0], K, *layer.typed_data(), panels,
                      residual.typed_data());
   if (bad) return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_add: ") + bad);
-  run_panels(x.typed_data(), M, K, panels);
+  run_used_rows(x.typed_data(), rows_in_use(rows, M), M, K, panels);
   return ffi::Error::Success();
 }
 
@@ -350,8 +374,8 @@ void silu_mul(const float* g, const float* u, float* h, int64_t n) {
 // many), then the panels run as in MatmulPacked: XLA's fused silu runs on one thread and
 // was ~17 ms of a 512-token prefill step.
 ffi::Error MatmulPackedGated(ffi::Buffer<ffi::F32, 2> gate, ffi::Buffer<ffi::F32, 2> up,
-                             ffi::Buffer<ffi::S32, 0> layer, ffi::RemainingArgs rest,
-                             ffi::ResultBuffer<ffi::F32, 2> y) {
+                             ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 0> rows,
+                             ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32, 2> y) {
   ScopedTimer timer(Kernel::kMatmul);
   const int64_t M = gate.dimensions()[0], F = gate.dimensions()[1];
   if (up.dimensions()[0] != M || up.dimensions()[1] != F)
@@ -376,14 +400,15 @@ ffi::Error MatmulPackedGated(ffi::Buffer<ffi::F32, 2> gate, ffi::Buffer<ffi::F32
   if (bad)
     return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_gated: ") + bad);
   thread_local std::vector<float> scratch;   // the calling thread's: workers get `h`
-  scratch.resize(M * F);
+  const int64_t used = rows_in_use(rows, M);
+  scratch.resize(used * F);
   float* h = scratch.data();
   const float* g = gate.typed_data();
   const float* u = up.typed_data();
-  by_row_items(M, [&](int64_t m0, int64_t m1) {
+  by_row_items(used, [&](int64_t m0, int64_t m1) {
     silu_mul(g + m0 * F, u + m0 * F, h + m0 * F, (m1 - m0) * F);
   });
-  run_panels(h, M, F, panels);
+  run_used_rows(h, used, M, F, panels);
   return ffi::Error::Success();
 }
 
@@ -394,6 +419,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPacked, xlaserve::MatmulPacked,
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_2>()  // x
                                   .Arg<xlaserve::S32_0>()  // layer
+                                  .Arg<xlaserve::S32_0>()  // rows
                                   .RemainingArgs()         // p_j [, s_j]
                                   .RemainingRets());       // y_j
 
@@ -401,6 +427,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedNormed, xlaserve::MatmulPacked
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_2>()  // x
                                   .Arg<xlaserve::S32_0>()  // layer
+                                  .Arg<xlaserve::S32_0>()  // rows
                                   .Arg<xlaserve::F32_2>()  // norm [L, K]
                                   .RemainingArgs()         // p_j [, s_j]
                                   .RemainingRets()         // y_j
@@ -411,6 +438,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedGated, xlaserve::MatmulPackedG
                                   .Arg<xlaserve::F32_2>()     // gate
                                   .Arg<xlaserve::F32_2>()     // up
                                   .Arg<xlaserve::S32_0>()     // layer
+                                  .Arg<xlaserve::S32_0>()     // rows
                                   .RemainingArgs()            // p [, s] [, residual]
                                   .Ret<xlaserve::F32_2>());   // y
 
@@ -418,6 +446,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedAdd, xlaserve::MatmulPackedAdd
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_2>()     // x
                                   .Arg<xlaserve::S32_0>()     // layer
+                                  .Arg<xlaserve::S32_0>()     // rows
                                   .Arg<xlaserve::F32_2>()     // residual
                                   .RemainingArgs()            // p [, s]
                                   .Ret<xlaserve::F32_2>());   // y
