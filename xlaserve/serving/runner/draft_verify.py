@@ -20,7 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from xlaserve.serving.runner.distribution import filtered_probs, salted_uniforms
-from xlaserve.serving.runner.sampling import SampleOutput, SamplingArrays, _inverse_cdf
+from xlaserve.serving.runner.sampling import (
+    SampleOutput,
+    SamplingArrays,
+    _inverse_cdf,
+    map_rows,
+)
 
 ACCEPT_SALT = 0x61636370     # "accp": the acceptance uniform's stream
 RESIDUAL_SALT = 0x72657364   # "resd": the residual draw's
@@ -37,18 +42,16 @@ def verify_drafts(logits: jax.Array, s: SamplingArrays, allowed: jax.Array | Non
     has = (draft_token >= 0) & (s.temperature > 0)
     wanted = jnp.ones_like(has) if s.logprobs is None else s.logprobs
 
-    def row(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        logits1, s1, allowed1, q1, d1, has1, wanted1, token1, lp1 = jax.tree_util.tree_map(
-            lambda a: a[None], xs)
-        def resolved(_: None) -> tuple[jax.Array, jax.Array]:
-            token, lp = _resolve(logits1, s1, allowed1, q1, d1)
-            return token, jnp.where(wanted1[0], lp, lp1[0])
-
-        return jax.lax.cond(has1[0], resolved, lambda _: (token1[0], lp1[0]), None)
+    def resolved(logits1: jax.Array, s1: SamplingArrays, allowed1: jax.Array | None,
+                 q1: jax.Array, d1: jax.Array, wanted1: jax.Array, lp1: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+        token, lp = _resolve(logits1, s1, allowed1, q1, d1)
+        return token, jnp.where(wanted1[0], lp, lp1[0])
 
     def resolve(_: None) -> SampleOutput:
-        tokens, logprob = jax.lax.map(row, (logits, s, allowed, draft_probs, draft_token, has,
-                                            wanted, out.tokens, out.logprob))
+        tokens, logprob = map_rows(has, resolved, (out.tokens, out.logprob),
+                                   (logits, s, allowed, draft_probs, draft_token, wanted,
+                                    out.logprob))
         return out._replace(tokens=tokens, logprob=logprob)
 
     return jax.lax.cond(jnp.any(has), resolve, lambda _: out, None)

@@ -18,7 +18,8 @@ some row asks for them (the others get zeros).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -140,18 +141,24 @@ def _draw_sorted(z: jax.Array, s: SamplingArrays, u: jax.Array, lse: jax.Array,
     against 3); a row's are 1/B of that."""
     v = z.shape[1]
 
-    def row(xs: tuple[jax.Array, ...]) -> jax.Array:
-        z1, s1, u1, lse1, need, token = jax.tree_util.tree_map(lambda a: a[None], xs)
+    def sort(z1: jax.Array, s1: SamplingArrays, u1: jax.Array, lse1: jax.Array) -> jax.Array:
+        all_z, all_ids = top_k(z1, v)                                       # [1, V]
+        w = jnp.where(all_z >= _cuts(all_z, lse1, s1, v), jnp.exp(all_z - all_z[:, :1]), 0.0)
+        return jnp.take_along_axis(all_ids, _inverse_cdf(w, u1)[:, None], axis=-1)[0, 0]
 
-        def sort(_: None) -> jax.Array:
-            all_z, all_ids = top_k(z1, v)                                   # [1, V]
-            w = jnp.where(all_z >= _cuts(all_z, lse1, s1, v), jnp.exp(all_z - all_z[:, :1]),
-                          0.0)
-            return jnp.take_along_axis(all_ids, _inverse_cdf(w, u1)[:, None], axis=-1)[0, 0]
+    return map_rows(needed, sort, drawn, (z, s, u, lse))
 
-        return jax.lax.cond(need[0], sort, lambda _: token[0], None)
 
-    return jax.lax.map(row, (z, s, u, lse, needed, drawn))
+def map_rows(needed: jax.Array, f: Callable[..., Any], kept: Any, xs: tuple[Any, ...]) -> Any:
+    """Row by row (lax.map): f(*row i of xs, each with a leading axis of 1) where needed[i]
+    ([B] bool), else row i of `kept` (a pytree of [B, ...], the shape of f's result).  For the
+    sampler's rare branches, whose [B, V] temporaries would otherwise cost every call."""
+    def row(args: tuple[Any, ...]) -> Any:
+        need, keep, x = args
+        x1 = jax.tree_util.tree_map(lambda a: a[None], x)
+        return jax.lax.cond(need, lambda _: f(*x1), lambda _: keep, None)
+
+    return jax.lax.map(row, (needed, kept, xs))
 
 
 def sample(logits: jax.Array, s: SamplingArrays, allowed: jax.Array | None = None
