@@ -75,7 +75,9 @@ def test_disconnect_queued_in_admission_queued_in_engine_and_mid_decode(front):
     assert wait_for(lambda: m("xlaserve_num_requests_waiting") == 2, 10)
     # ...and one waits in the admission queue.
     admit_q = chat(front, "disc-admit-q", "Name three animals.", 16)
-    assert wait_for(lambda: m("xlaserve_admission_waiting") == 1, 10)
+    assert wait_for(lambda: m("xlaserve_admission_waiting") == 1, 10), \
+        (m("xlaserve_rejections_total", reason="slo"), admit_q.read_until(bool, 1) and
+         admit_q.received[:300])   # refused (429) rather than queued: by whom and why
     assert m("xlaserve_admission_running") == 4
 
     admit_q.close()
