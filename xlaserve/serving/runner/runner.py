@@ -327,14 +327,14 @@ class ModelRunner:
         The sampler is launched after `masks()` (if any) returned."""
         fn = self._compiled[host.shape]
         r = host.shape[0]
-        rows, toks, tables = self._put(*host.packed())
-        bias = self._put(host.bias)[0] if host.bias is not None else self._zeros_bias(r)
+        rows, toks, tables = self._step_inputs(*host.packed())
+        bias = self._step_inputs(host.bias)[0] if host.bias is not None else self._zeros_bias(r)
         self.kv, logits = fn(self.params, self.kv, self.token_slots, rows, toks, tables)
         self._forwarded(host, rows, logits)
         mask = masks() if masks is not None else None
-        allowed = self._put(self._pad_mask(mask, r))[0] if mask is not None else \
+        allowed = self._step_inputs(self._pad_mask(mask, r))[0] if mask is not None else \
             self._all_allowed(r)
-        q = self._put(host.draft_probs)[0] if host.draft_probs is not None else \
+        q = self._step_inputs(host.draft_probs)[0] if host.draft_probs is not None else \
             self._zeros_bias(r)   # unread: no row has a draft_token
         self.token_slots, out = self._compiled_sample[r](
             logits, self.token_slots, rows, bias, allowed, q)
@@ -354,6 +354,13 @@ class ModelRunner:
         if r not in self._no_mask:
             self._no_mask[r] = self._put(all_allowed(r, self.config.vocab_size))[0]
         return self._no_mask[r]
+
+    def _step_inputs(self, *arrays: np.ndarray) -> list[np.ndarray | jax.Array]:
+        """One call's host arrays as its compiled calls take them.  On one device, the numpy
+        arrays themselves: the call copies them in, in C++, ~0.4 ms a step sooner than a
+        device_put ahead of it (BENCHMARKS.md, "the step's inputs").  On a mesh, replicated
+        device arrays (`_put`)."""
+        return list(arrays) if self.mesh.devices.size == 1 else self._put(*arrays)
 
     def _put(self, *arrays: np.ndarray) -> list[jax.Array]:
         """Host arrays replicated on every device of the mesh, in one transfer call (only this
