@@ -55,6 +55,8 @@ def test_next_launch_time_lies_within_the_step_in_flight(warm_tiny, monkeypatch)
     took = engine.clock.seconds[last.call.bucket]
     assert at == max(last.launched_at, engine.clock.device_free_at) + took
     assert engine.next_launch_at(0.004) == at - 0.004
+    assert engine.next_launch_at(0.0, min_step_s=took / 2) == at
+    assert engine.next_launch_at(0.0, min_step_s=took * 2) is None   # a short step: no window
     while engine.has_work():
         engine.step()
     assert engine.next_launch_at(0.0) is None   # nothing in flight

@@ -47,6 +47,9 @@ T = TypeVar("T")
 
 LAUNCH_LEAD_S = 0.004   # launch the next step this long before the running one should end
 POLL_S = 0.001          # how often the wait for the launch window checks the device
+# No window behind steps shorter than this: single-stream decode (~15 ms steps on a 2-core
+# CPU) lost ~1 ms a token to late launches with it (BENCHMARKS.md, "the launch window").
+MIN_WINDOW_STEP_S = 0.025
 
 
 @dataclass
@@ -306,8 +309,9 @@ class ThreadedEngine:
         request arriving meanwhile would wait for the step after.  So the thread waits until
         shortly (LAUNCH_LEAD_S) before the step in flight is expected to end — or it ends, or
         the engine stops — and only then schedules: arrivals during the step join the next
-        one, and the host's scheduling still overlaps the device's last milliseconds."""
-        until = self.engine.next_launch_at(LAUNCH_LEAD_S)
+        one, and the host's scheduling still overlaps the device's last milliseconds.  Behind
+        a step shorter than MIN_WINDOW_STEP_S it schedules at once."""
+        until = self.engine.next_launch_at(LAUNCH_LEAD_S, MIN_WINDOW_STEP_S)
         while until is not None:
             left = until - time.monotonic()
             if left <= 0 or self._stop or self.engine.in_flight_ready():

@@ -177,19 +177,23 @@ class LLMEngine:
         events, self._ready = self._ready, []
         return events
 
-    def next_launch_at(self, lead_s: float) -> float | None:
+    def next_launch_at(self, lead_s: float, min_step_s: float = 0.0) -> float | None:
         """When to schedule the next step so that it is launched `lead_s` before the step in
         flight ends (time.monotonic()), or None to schedule now: nothing in flight, not
-        pipelined, a step already done, or no timing yet for its bucket.  Scheduling late
-        lets requests that arrive while the device works join the next step instead of the
-        one after it (one step less of time to first token)."""
+        pipelined, a step already done, no timing yet for its bucket, or a step expected to
+        take less than `min_step_s`.  Scheduling late lets requests that arrive while the
+        device works join the next step instead of the one after it (one step less of time
+        to first token); behind a short step that gain is small (an arrival waits one short
+        step more) and a launch that comes late idles the device for a large part of it."""
         if not self.config.pipelined or not self._calls:
             return None
         last = self._calls[self.scheduler.in_flight[-1].step_id]
         if last.call is None or last.call.ready():
             return None
-        end = self.clock.expected_end(last.call.bucket, last.launched_at)
-        return None if end is None else end - lead_s
+        took = self.clock.seconds.get(last.call.bucket)
+        if took is None or took < min_step_s:
+            return None
+        return self.clock.expected_end(last.call.bucket, last.launched_at) - lead_s
 
     def in_flight_ready(self) -> bool:
         """Has the device finished every step in flight?"""
