@@ -357,8 +357,9 @@ class ModelRunner:
 
     def _step_inputs(self, *arrays: np.ndarray) -> list[np.ndarray | jax.Array]:
         """One call's host arrays as its compiled calls take them.  On one device, the numpy
-        arrays themselves: the call copies them in, in C++, ~0.4 ms a step sooner than a
-        device_put ahead of it (BENCHMARKS.md, "the step's inputs").  On a mesh, replicated
+        arrays themselves, which the call takes in, in C++, ~0.4 ms a step sooner than a
+        device_put ahead of it (BENCHMARKS.md, "The step's inputs as numpy"); host_step makes
+        them afresh for every call and nothing writes them after.  On a mesh, replicated
         device arrays (`_put`)."""
         return list(arrays) if self.mesh.devices.size == 1 else self._put(*arrays)
 
