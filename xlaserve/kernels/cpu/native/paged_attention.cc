@@ -25,26 +25,33 @@
 // keys at a time, and for each span every kv head and the tile's query rows that read it
 // (tokens x the G = H / KVH query heads sharing the kv head): one block's K and V for all
 // heads are contiguous (bs x KVH x D floats), so an item streams them, reading each span's
-// blocks ahead of the compute.  Per (span, kv head) the keys are transposed once (kLanes x
-// kLanes register transposes), so that each query row's scores are FMAs of broadcast query
-// elements against key vectors, with no horizontal sums; then per row one online-softmax
-// step over the span's visible keys (running max m, sum l, exp vectorised: per 16-key block
-// it cost more than the scores), and the V accumulation of up to kRowGroup rows at once,
-// their acc[D] in registers while each value vector is loaded once.  Out = acc / l.
+// blocks ahead of the compute (only the blocks some token of the tile sees: on a prefill's
+// diagonal that trims the span).  Per (span, kv head) the keys are transposed once (kLanes x
+// kLanes register transposes), and the tile's query rows (up to kQueryTile x G) make two
+// register-tiled products, kSR rows x kSV vectors at a time (tile.h's accumulate_rows, as the
+// weight matmuls): scores = q @ k^T with each key vector loaded once for kSR rows; per row one
+// online-softmax step over the span's visible keys (running max m, sum l, exp vectorised: per
+// 16-key block it cost more than the scores), its invisible keys' p set to exactly 0; then
+// acc = acc * c + p @ v, acc in registers over the span's keys.  Out = acc / l.  Items run
+// longest first.  Measured on the Zen 5 box (BENCHMARKS.md, "Prefill attention as two
+// products"): a 512-token prefill's attention 1.75 -> 1.05 ms a layer.
 // Positions beyond the table, and block ids outside [0, N), are clamped: a bad plan reads the
 // wrong keys but never memory outside the cache.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "buffers.h"
 #include "parallel.h"
 #include "simd.h"
 #include "stats.h"
+#include "tile.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -52,11 +59,13 @@ namespace ffi = xla::ffi;
 namespace xlaserve {
 namespace {
 
-constexpr int kQueryTile = 16;   // 16 or 32 tokens: a 512-token prefill's attention 62 ms, 8: 68
+// A 512-token prefill's attention a layer, tiles of kQueryTile tokens x spans of kSpanKeys
+// keys: 16 x 64 1.14-1.22 ms, 16 x 128 1.10-1.17, 32 x 64 1.13-1.23, 32 x 128 1.06-1.10.
+constexpr int kQueryTile = 32;
 constexpr int kMaxBlockSize = 256;
 constexpr int64_t kItemsPerThread = 2;
 constexpr int64_t kMinChunkBlocks = 4;
-constexpr int64_t kSpanKeys = 64;     // keys (whole blocks) one online-softmax step covers
+constexpr int64_t kSpanKeys = 128;   // keys (whole blocks) one online-softmax step covers
 
 struct Geometry {
   int64_t T, H, KVH, D, G, R, W, N, bs;
@@ -94,124 +103,78 @@ void transpose_keys(const float* kb, int64_t stride, int64_t bs, int64_t D, floa
     for (int64_t d = (j < jv ? dv : 0); d < D; ++d) kt[d * ld + j] = kb[j * stride + d];
 }
 
-// s[r * kMaxBlockSize + j] = q_r . k_j for the span's bs keys and NR query rows at once (kt:
-// transpose_keys, rows bs long): each key vector is loaded once for all rows, four accumulator
-// chains a row.
-template <int NR>
-void scores(const float* const* q, const float* kt, int64_t bs, int64_t D, float* s) {
-  int64_t j = 0;
-  for (; j + kLanes <= bs; j += kLanes) {
-    Vec a[NR][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) a[r][u] = zero();
-    int64_t d = 0;
-    for (; d + 4 <= D; d += 4) {
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) {
-        const Vec k = load(kt + (d + u) * bs + j);
-#pragma GCC unroll 4
-        for (int r = 0; r < NR; ++r) a[r][u] = fma(splat(q[r][d + u]), k, a[r][u]);
-      }
-    }
-    for (; d < D; ++d) {
-      const Vec k = load(kt + d * bs + j);
-      for (int r = 0; r < NR; ++r) a[r][0] = fma(splat(q[r][d]), k, a[r][0]);
-    }
-    for (int r = 0; r < NR; ++r)
-      store(s + r * kMaxBlockSize + j, add(add(a[r][0], a[r][1]), add(a[r][2], a[r][3])));
+// The register tiles of the two products (tile.h's accumulate_rows): up to kSR query rows x kSV
+// vectors, of keys for the scores and of head dims for the values, held in registers.
+constexpr int kSR = kVectorRegisters >= 32 ? 6 : 4;
+constexpr int kSV = kVectorRegisters >= 32 ? 4 : 2;
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// s[r * ld + j] = q_r . k_j for MR query rows (q rows D apart) and NV vectors of keys (kt: as
+// transpose_keys writes it, rows ld apart): each key vector is loaded once for the MR rows, each
+// query element broadcast once for the NV vectors.
+template <int MR, int NV>
+struct ScoreTile {
+  static void run(const float* q, int64_t D, const float* kt, int64_t ld, float* s) {
+    Vec acc[MR][NV];
+    for (auto& row : acc)
+      for (auto& a : row) a = zero();
+    accumulate_rows<MR, NV, 0, 0>(acc, q, D, kt, ld, 0, D);
+    store_tile(acc, s, ld, nullptr);
   }
-  for (; j < bs; ++j)
-    for (int r = 0; r < NR; ++r) {
-      float a = 0.0f;
-      for (int64_t d = 0; d < D; ++d) a += q[r][d] * kt[d * bs + j];
-      s[r * kMaxBlockSize + j] = a;
-    }
+};
+
+// acc_r[d0 : d0 + NV * kLanes] = acc_r * c_r + sum_{j < n} p[r * ld + j] * v_j for MR rows,
+// v_j = blocks[j / bs][(j % bs) * stride + d0 ...]: the span's value rows, block by block.
+template <int MR, int NV>
+struct ValueTile {
+  static void run(float* const* acc, int64_t d0, const float* c, const float* p, int64_t ld,
+                  const float* const* blocks, int64_t bs, int64_t stride, int64_t n) {
+    Vec a[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NV; ++j) a[r][j] = mul(load(acc[r] + d0 + j * kLanes), splat(c[r]));
+    for (int64_t x = 0; x * bs < n; ++x)
+      accumulate_rows<MR, NV, 0, 0>(a, p + x * bs, ld, blocks[x] + d0, stride, 0,
+                                    std::min(bs, n - x * bs));
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NV; ++j) store(acc[r] + d0 + j * kLanes, a[r][j]);
+  }
+};
+
+// kTiles<F>[mr - 1][nv - 1] = F<mr, nv>::run for every tile shape up to kSR x kSV.
+template <template <int, int> class F, int MR, int... V>
+constexpr auto tile_row(std::integer_sequence<int, V...>) {
+  return std::array{&F<MR, V + 1>::run...};
 }
+template <template <int, int> class F, int... R>
+constexpr auto tile_table(std::integer_sequence<int, R...>) {
+  return std::array{tile_row<F, R + 1>(std::make_integer_sequence<int, kSV>())...};
+}
+template <template <int, int> class F>
+constexpr auto kTiles = tile_table<F>(std::make_integer_sequence<int, kSR>());
 
-using ScoresFn = void (*)(const float* const*, const float*, int64_t, int64_t, float*);
-constexpr ScoresFn kScores[] = {nullptr, scores<1>, scores<2>, scores<3>, scores<4>};
-
-// The softmax half of an online step for one row over the block's scores s[0:bs], of which
-// keys [j0, j1) are visible: new m and l, p = exp(s - m) (0 outside [j0, j1), soft cap applied
-// first); returns the factor the row's acc is rescaled by.
-float softmax_step(RowState& st, float* s, float* p, int64_t bs, int64_t j0, int64_t j1,
-                   float soft_cap) {
+// One online-softmax step of a row over its span's scores s[0:n] (n whole vectors), of which
+// keys [j0, j1) are visible: new m and l, and s becomes p = exp(s - m) there and exactly 0
+// elsewhere (the soft cap applied first); returns the factor the row's acc is rescaled by.
+float softmax_step(RowState& st, float* s, int64_t n, int64_t j0, int64_t j1, float soft_cap) {
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   if (soft_cap > 0.0f)
     for (int64_t j = j0; j < j1; ++j) s[j] = soft_cap * std::tanh(s[j] / soft_cap);
-  float block_max = kMinusInf;
-  int64_t j = 0;
-  if (bs % kLanes == 0) {   // whole vectors: invisible keys set to -inf, exp gives them 0
-    for (int64_t x = 0; x < j0; ++x) s[x] = kMinusInf;
-    for (int64_t x = j1; x < bs; ++x) s[x] = kMinusInf;
-    Vec mx = splat(kMinusInf);
-    for (; j < bs; j += kLanes) mx = max(mx, load(s + j));
-    block_max = hmax(mx);
-    const float m_new = std::max(st.m, block_max);
-    const float correction = std::exp(st.m - m_new);  // 0 on the first block (m = -inf)
-    Vec sum = zero();
-    for (j = 0; j < bs; j += kLanes) {
-      const Vec e = exp(sub(load(s + j), splat(m_new)));
-      store(p + j, e);
-      sum = add(sum, e);
-    }
-    st.l = st.l * correction + hsum(sum);
-    st.m = m_new;
-    return correction;
-  }
-  for (j = j0; j < j1; ++j) block_max = std::max(block_max, s[j]);
+  std::fill(s, s + j0, kMinusInf);
+  std::fill(s + j1, s + n, kMinusInf);
+  Vec mx = splat(kMinusInf);
+  for (int64_t j = 0; j < n; j += kLanes) mx = max(mx, load(s + j));
+  const float block_max = hmax(mx);
   const float m_new = std::max(st.m, block_max);
-  const float correction = std::exp(st.m - m_new);
-  float sum = 0.0f;
-  for (j = 0; j < bs; ++j) {
-    p[j] = (j >= j0 && j < j1) ? std::exp(s[j] - m_new) : 0.0f;
-    sum += p[j];
-  }
-  st.l = st.l * correction + sum;
+  const float correction = std::exp(st.m - m_new);  // 0 on the first span (m = -inf)
+  for (int64_t j = 0; j < n; j += kLanes) store(s + j, exp(sub(load(s + j), splat(m_new))));
+  std::fill(s, s + j0, 0.0f);   // exactly 0, not exp's floor (~1e-38): p . v over a span's
+  std::fill(s + j1, s + n, 0.0f);   // every key then adds nothing for the invisible ones
+  Vec sum = zero();
+  for (int64_t j = 0; j < n; j += kLanes) sum = add(sum, load(s + j));
+  st.l = st.l * correction + hsum(sum);
   st.m = m_new;
   return correction;
-}
-
-constexpr int kRowGroup = 4;   // rows whose acc[D] stay in registers together
-
-// acc_r = acc_r * c_r + sum_{j < n} p_r[j] * v_j for rows r < nr <= kRowGroup (v_j at
-// v + j * stride; p_r = p + r * kMaxBlockSize).  DV > 0: D = DV vectors (in registers).
-template <int DV>
-void accumulate(RowState* const* rows, const float* c, int nr, const float* p, const float* v,
-                int64_t stride, int64_t n, int64_t D) {
-  if constexpr (DV > 0) {
-    Vec a[kRowGroup][DV];
-    for (int r = 0; r < nr; ++r) {
-      const Vec cv = splat(c[r]);
-#pragma GCC unroll 16
-      for (int d = 0; d < DV; ++d) a[r][d] = mul(load(rows[r]->acc + d * kLanes), cv);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const float* vj = v + j * stride;
-      Vec vv[DV];
-#pragma GCC unroll 16
-      for (int d = 0; d < DV; ++d) vv[d] = load(vj + d * kLanes);
-#pragma GCC unroll 4
-      for (int r = 0; r < kRowGroup; ++r) {
-        if (r >= nr) break;
-        const Vec pj = splat(p[r * kMaxBlockSize + j]);
-#pragma GCC unroll 16
-        for (int d = 0; d < DV; ++d) a[r][d] = fma(pj, vv[d], a[r][d]);
-      }
-    }
-    for (int r = 0; r < nr; ++r)
-#pragma GCC unroll 16
-      for (int d = 0; d < DV; ++d) store(rows[r]->acc + d * kLanes, a[r][d]);
-  } else {
-    for (int r = 0; r < nr; ++r)
-      for (int64_t d = 0; d < D; ++d) {
-        float a = rows[r]->acc[d] * c[r];
-        for (int64_t j = 0; j < n; ++j) a += p[r * kMaxBlockSize + j] * v[j * stride + d];
-        rows[r]->acc[d] = a;
-      }
-  }
 }
 
 // dst[r * D + d] = q_r[d] * s_r for `rows` int8 rows of D values, each followed by the 4 bytes
@@ -241,10 +204,6 @@ float warm(const float* k, const float* v, int64_t floats) {
   return hsum(add(a, b));
 }
 
-// Attend the tile's tokens to blocks [b0, b1) of their row; states[i * H + h] is token i,
-// query head h, already initialised (and left unnormalised).  Blocks go span_blocks at a time
-// (a span of about kSpanKeys keys): one softmax step per query row and span, not per block
-// (with 16-key blocks the per-step max, sum and rescale cost more than the scores).
 // The cache: float rows, or int8 rows with their scales (then k8 / v8 are set and k / v not).
 struct Cache {
   const float* k;
@@ -253,32 +212,44 @@ struct Cache {
   const int8_t* v8;
 };
 
-template <int DV>
+// Attend the tile's tokens to blocks [b0, b1) of their row; states[i * H + h] is token i,
+// query head h, already initialised (and left unnormalised).  Blocks go span_blocks at a time
+// (a span of about kSpanKeys keys): one softmax step per query row and span, not per block
+// (with 16-key blocks the per-step max, sum and rescale cost more than the scores).  Per span
+// and kv head, its query rows (token i, group head g at row i * G + g) make two register-tiled
+// products: scores [rows, keys] = q [rows, D] @ keys^T, then acc [rows, D] += p @ values.
 void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, const float* q,
                    const Cache& cache, const int32_t* positions, const int32_t* block_tables,
                    RowState* states) {
-  const int64_t D = g.D, bs = g.bs;
+  const int64_t D = g.D, bs = g.bs, G = g.G, nq = tile.nq;
   const int64_t stride = g.KVH * D;  // floats between consecutive slots of one kv head
   const int64_t max_pos = g.W * bs - 1;
   const int64_t block_floats = bs * stride;
   const int64_t span_blocks = std::max<int64_t>(1, kSpanKeys / bs);   // span: <= kMaxBlockSize
-  const int64_t span = span_blocks * bs;
+  const int64_t ld = round_up(span_blocks * bs, kLanes);   // score rows: whole key vectors
+  const int64_t rows = nq * G;                             // query rows per kv head
+  const int64_t dv = D - D % kLanes;                       // head dims in whole vectors
   const bool int8 = cache.k8 != nullptr;
   thread_local std::vector<float> scratch;
-  scratch.resize(tile.nq * g.H * D + D * span + 2 * kRowGroup * kMaxBlockSize +
+  scratch.resize(g.KVH * rows * D + D * ld + rows * ld + rows +
                  (int8 ? 2 * span_blocks * block_floats : 0));
-  float* qs = scratch.data();                 // [nq, H, D] scaled queries
-  float* kt = qs + tile.nq * g.H * D;         // [D, span] one kv head's keys, transposed
-  float* s = kt + D * span;                   // [kRowGroup, kMaxBlockSize] scores
-  float* p = s + kRowGroup * kMaxBlockSize;   // [kRowGroup, kMaxBlockSize] their exps
-  float* kf = p + kRowGroup * kMaxBlockSize;  // int8 caches: [span_blocks, bs, KVH, D] the
+  float* qs = scratch.data();              // [KVH, nq * G, D] scaled queries, by kv head
+  float* kt = qs + g.KVH * rows * D;       // [D, ld] one kv head's keys, transposed
+  float* s = kt + D * ld;                  // [nq * G, ld] scores, then their exps
+  float* c = s + rows * ld;                // [nq * G] each row's rescale factor this span
+  float* kf = c + rows;                    // int8 caches: [span_blocks, bs, KVH, D] the
   float* vf = kf + span_blocks * block_floats;   // span's keys and values, dequantized
+  thread_local std::vector<float*> acc;    // [nq * G] each row's acc[D], for one kv head
+  acc.resize(rows);
   int64_t qpos[kQueryTile], qlo[kQueryTile];
-  for (int64_t i = 0; i < tile.nq; ++i) {
+  for (int64_t i = 0; i < nq; ++i) {
     qpos[i] = std::clamp<int64_t>(positions[tile.t0 + i], 0, max_pos);
     qlo[i] = g.window > 0 ? std::max<int64_t>(0, qpos[i] - g.window + 1) : 0;
-    const float* src = q + (tile.t0 + i) * g.H * D;
-    for (int64_t x = 0; x < g.H * D; ++x) qs[i * g.H * D + x] = src[x] * g.scale;
+    for (int64_t h = 0; h < g.H; ++h) {
+      const float* src = q + ((tile.t0 + i) * g.H + h) * D;
+      float* dst = qs + ((h / G * nq + i) * G + h % G) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * g.scale;
+    }
   }
   const int32_t* table = block_tables + static_cast<int64_t>(tile.row) * g.W;
   auto first_row = [&](int64_t b) {   // the block's first (slot, kv head) row in the cache
@@ -291,7 +262,20 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
   const float* vblk[kSpanKeys];
   for (int64_t b = b0; b < b1; b += span_blocks) {
     const int64_t nb = std::min(span_blocks, b1 - b), n = nb * bs;   // this span: n keys
-    for (int64_t x = 0; x < nb; ++x) {   // read the span's blocks into cache before compute
+    // Token i sees keys [j0[i], j1[i]) of the span; tokens [i0, i1) see some, keys [0, keys).
+    const int64_t first = b * bs;
+    int64_t j0[kQueryTile], j1[kQueryTile], i0 = nq, i1 = 0, keys = 0;
+    for (int64_t i = 0; i < nq; ++i) {
+      j0[i] = std::max<int64_t>(0, qlo[i] - first);
+      j1[i] = std::min<int64_t>(n, qpos[i] - first + 1);
+      if (j1[i] <= j0[i]) continue;
+      i0 = std::min(i0, i);
+      i1 = i + 1;
+      keys = std::max(keys, j1[i]);
+    }
+    if (i1 <= i0) continue;
+    const int64_t width = round_up(keys, kLanes), r0 = i0 * G, r1 = i1 * G;
+    for (int64_t x = 0; x * bs < keys; ++x) {   // read the span's blocks into cache
       const int64_t row = first_row(b + x);
       if (int8) {
         dequantize_rows(cache.k8 + row * (D + 4), bs * g.KVH, D, kf + x * block_floats);
@@ -304,51 +288,48 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
         sink += warm(kblk[x], vblk[x], block_floats);
       }
     }
-    const int64_t first = b * bs;
     for (int64_t kvh = 0; kvh < g.KVH; ++kvh) {
-      for (int64_t x = 0; x < nb; ++x)
-        transpose_keys(kblk[x] + kvh * D, stride, bs, D, kt + x * bs, n);
-      for (int64_t i = 0; i < tile.nq; ++i) {
-        const int64_t j0 = std::max<int64_t>(0, qlo[i] - first);   // keys [j0, j1) visible
-        const int64_t j1 = std::min<int64_t>(n, qpos[i] - first + 1);
-        if (j1 <= j0) continue;
-        for (int64_t h0 = kvh * g.G; h0 < (kvh + 1) * g.G; h0 += kRowGroup) {
-          const int nr = static_cast<int>(std::min<int64_t>(kRowGroup, (kvh + 1) * g.G - h0));
-          RowState* rows[kRowGroup];
-          const float* qr[kRowGroup];
-          float c[kRowGroup];
-          for (int r = 0; r < nr; ++r) {
-            rows[r] = &states[i * g.H + h0 + r];
-            qr[r] = qs + (i * g.H + h0 + r) * D;
-          }
-          kScores[nr](qr, kt, n, D, s);
-          for (int r = 0; r < nr; ++r)
-            c[r] = softmax_step(*rows[r], s + r * kMaxBlockSize, p + r * kMaxBlockSize, n, j0,
-                                j1, g.soft_cap);
-          // V block by block: the span's keys [j0, j1) lie in blocks j0 / bs .. (j1 - 1) / bs.
-          for (int64_t x = j0 / bs; x * bs < j1; ++x) {
-            const int64_t lo = std::max(j0, x * bs), hi = std::min(j1, (x + 1) * bs);
-            accumulate<DV>(rows, c, nr, p + lo, vblk[x] + kvh * D + (lo - x * bs) * stride,
-                           stride, hi - lo, D);
-            for (int r = 0; r < nr; ++r) c[r] = 1.0f;   // rescaled once, by the first block
-          }
+      for (int64_t x = 0; x * bs < keys; ++x)
+        transpose_keys(kblk[x] + kvh * D, stride, bs, D, kt + x * bs, ld);
+      const float* qk = qs + kvh * rows * D;
+      for (int64_t r = r0; r < r1; r += kSR) {
+        const int mr = static_cast<int>(std::min<int64_t>(kSR, r1 - r));
+        for (int64_t j = 0; j < width; j += kSV * kLanes) {
+          const int nv = static_cast<int>(std::min<int64_t>(kSV, (width - j) / kLanes));
+          kTiles<ScoreTile>[mr - 1][nv - 1](qk + r * D, D, kt + j, ld, s + r * ld + j);
         }
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t i = r / G;
+        RowState& st = states[i * g.H + kvh * G + r % G];
+        acc[r] = st.acc;
+        if (j1[i] > j0[i]) {
+          c[r] = softmax_step(st, s + r * ld, width, j0[i], j1[i], g.soft_cap);
+        } else {   // this token sees none of the span's keys
+          c[r] = 1.0f;
+          std::fill(s + r * ld, s + r * ld + width, 0.0f);
+        }
+      }
+      const float* vk[kSpanKeys];
+      for (int64_t x = 0; x * bs < keys; ++x) vk[x] = vblk[x] + kvh * D;
+      for (int64_t r = r0; r < r1; r += kSR) {
+        const int mr = static_cast<int>(std::min<int64_t>(kSR, r1 - r));
+        for (int64_t d = 0; d < dv; d += kSV * kLanes) {
+          const int nv = static_cast<int>(std::min<int64_t>(kSV, (dv - d) / kLanes));
+          kTiles<ValueTile>[mr - 1][nv - 1](acc.data() + r, d, c + r, s + r * ld, ld, vk, bs,
+                                            stride, keys);
+        }
+        for (int64_t d = dv; d < D; ++d)   // head dims past the last whole vector
+          for (int64_t k = r; k < r + mr; ++k) {
+            float a = acc[k][d] * c[k];
+            for (int64_t j = 0; j < keys; ++j) a += s[k * ld + j] * vk[j / bs][j % bs * stride + d];
+            acc[k][d] = a;
+          }
       }
     }
   }
   volatile float keep = sink;
   (void)keep;
-}
-
-using AttendFn = void (*)(const Geometry&, const Tile&, int64_t, int64_t, const float*,
-                          const Cache&, const int32_t*, const int32_t*, RowState*);
-
-AttendFn attend_for(int64_t D) {
-  if (D == 4 * kLanes) return attend_blocks<4>;
-  if (D == 8 * kLanes) return attend_blocks<8>;
-  if (D == 16 * kLanes) return attend_blocks<16>;
-  if (D == 2 * kLanes) return attend_blocks<2>;
-  return attend_blocks<0>;
 }
 
 ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
@@ -452,8 +433,15 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
     cache.v = static_cast<const float*>(v_cache.untyped_data());
   }
   const int32_t* bt = block_tables.typed_data();
-  const AttendFn attend = attend_for(g.D);
-  parallel_for(static_cast<int64_t>(items.size()), [&](int64_t it) {
+  // Longest items first (a prefill's last tiles see the most keys), so no thread is left
+  // with a long one at the end.
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return items[a].b1 - items[a].b0 > items[b].b1 - items[b].b0;
+  });
+  parallel_for(static_cast<int64_t>(items.size()), [&](int64_t x) {
+    const int64_t it = order[x];
     const Item& item = items[it];
     const Tile& tile = tiles[item.tile];
     float* base = state + it * kQueryTile * g.H * row_floats;
@@ -468,7 +456,7 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
       st[r] = {-std::numeric_limits<float>::infinity(), 0.0f, base + r * row_floats + 2};
       std::fill(st[r].acc, st[r].acc + g.D, 0.0f);
     }
-    attend(g, tile, item.b0, item.b1, qp, cache, pos, bt, st);
+    attend_blocks(g, tile, item.b0, item.b1, qp, cache, pos, bt, st);
     if (first_item[item.tile + 1] - first_item[item.tile] == 1) {   // the whole tile: out
       for (int64_t r = 0; r < tile.nq * g.H; ++r) {
         float* dst = o + (tile.t0 * g.H + r) * g.D;

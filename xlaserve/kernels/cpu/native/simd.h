@@ -191,7 +191,7 @@ inline Vec load_widened(const float* p) { return load(p); }
 inline Vec exp(Vec x) {
   const Vec hi = splat(88.3762626647949f), lo = splat(-87.3365447504019f);
   x = max(x, lo);
-  x = {sub(x, max(sub(x, hi), zero())).v};  // min(x, hi) without a min primitive
+  x = sub(x, max(sub(x, hi), zero()));  // min(x, hi) without a min primitive
   Vec n = round_nearest(mul(x, splat(1.44269504088896341f)));
   Vec r = fma(n, splat(-0.693359375f), x);           // Cody-Waite: ln2 split in two parts
   r = fma(n, splat(2.12194440e-4f), r);
