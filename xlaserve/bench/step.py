@@ -11,7 +11,12 @@
              overlaps the device's but shares its cores):
                decode   R rows of one token over a `context`-token history, table width W
                prefill  one row of C prompt tokens (fresh: nothing cached)
-    floor    max(bytes read / read bandwidth, FLOPs / GEMM rate) of that step:
+    floor    max(bytes read / read bandwidth, FLOPs / GEMM rate) of that step, with the rates
+             its own probes measured just before and just after it was timed (the higher of
+             each): a shared box's bandwidth can swing between ~40 and ~70 GB/s from one minute
+             to the next (BENCHMARKS.md, ninth session), so a floor from probes taken minutes
+             earlier may describe another machine; the report's first line has the probes of
+             the run's start:
                bytes    the weights a step reads (all of them; an untied input embedding one
                         row per token) + the K/V it attends to + the K/V it writes
                FLOPs    2 x matmul weights x tokens + 2 x logits rows x V x E + attention
@@ -131,6 +136,8 @@ class StepRow:
     floor_ms: float
     bound: str                # memory | compute: which term sets the floor
     pipelined_ms: float | None = None   # decode: per step, launched ahead as the engine does
+    read_gb_s: float = 0.0    # the rates its floor uses (its probes, before and after it)
+    gemm_gflops: float = 0.0
     breakdown: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -194,8 +201,13 @@ def time_pipelined(runner: ModelRunner, rows: list[RowInput], steps: int) -> flo
     return (time.perf_counter() - start) / steps * 1e3
 
 
+def rates(probe_bytes: int) -> tuple[float, float]:
+    """(read GB/s, GEMM GFLOP/s) now: the best of each probe."""
+    return max(read_bandwidth(probe_bytes).values()), max(gemm_rate().values())
+
+
 def measure_step(runner: ModelRunner, kind: str, rows: list[RowInput], context: int,
-                 repeats: int, read: float, gemm: float, breakdown: bool) -> StepRow:
+                 repeats: int, probe_bytes: int, breakdown: bool) -> StepRow:
     c = runner.config
     tokens = sum(r.seq.num_tokens for r in rows)
     if kind == "decode":
@@ -204,13 +216,15 @@ def measure_step(runner: ModelRunner, kind: str, rows: list[RowInput], context: 
         keys, distinct = context + (tokens + 1) / 2, context
     kv_row = runner.kv.k.shape[-1] * runner.kv.k.dtype.itemsize
     bytes_read, flops = step_cost(c, runner.params, len(rows), tokens, keys, distinct, kv_row)
+    before = rates(probe_bytes)
+    ms = time_rows(runner, rows, repeats)
+    pipelined = time_pipelined(runner, rows, max(20, 4 * repeats)) if kind == "decode" else None
+    read, gemm = (max(a, b) for a, b in zip(before, rates(probe_bytes)))
     mem_ms, flop_ms = 1e3 * bytes_read / (read * 1e9), 1e3 * flops / (gemm * 1e9)
-    host = runner.host_step(rows)
-    row = StepRow(kind, len(rows), tokens, context, host.shape, time_rows(runner, rows, repeats),
+    row = StepRow(kind, len(rows), tokens, context, runner.host_step(rows).shape, ms,
                   bytes_read, flops, max(mem_ms, flop_ms),
-                  "memory" if mem_ms >= flop_ms else "compute")
-    if kind == "decode":
-        row.pipelined_ms = time_pipelined(runner, rows, max(20, 4 * repeats))
+                  "memory" if mem_ms >= flop_ms else "compute", pipelined, read_gb_s=read,
+                  gemm_gflops=gemm)
     if breakdown:
         from xlaserve.bench.step_parts import part_times
 
@@ -236,13 +250,13 @@ def run_steps(runner: ModelRunner, *, decode_batches: list[int], width: int, con
     out = []
     for b in decode_batches:
         out.append(measure_step(runner, "decode", decode_rows(runner, b, context, width),
-                                context, repeats, read_bw, gemm_best, breakdown))
+                                context, repeats, probe_bytes, breakdown))
         print(describe_row(out[-1]), flush=True)
     for n in prefill_chunks:
         rows = [runner.row(tuple(range(1, n + 1)), 0,
                            _table(runner, 0, -(-n // runner.block_size)), 1)]
-        out.append(measure_step(runner, "prefill", rows, 0, max(3, repeats // 2), read_bw,
-                                gemm_best, breakdown))
+        out.append(measure_step(runner, "prefill", rows, 0, repeats, probe_bytes,
+                                breakdown))
         print(describe_row(out[-1]), flush=True)
     return StepReport(runner.backend, read_bw, copy, gemm_best, probes, out)
 
@@ -257,7 +271,8 @@ def describe_row(r: StepRow) -> str:
     piped = "" if r.pipelined_ms is None else \
         f" (pipelined {r.pipelined_ms:.1f} ms = {r.pipelined_ratio:4.2f}x)"
     return (f"{what:<28} bucket {r.bucket}: {r.ms:7.1f} ms, floor {r.floor_ms:6.1f} ms "
-            f"({r.bound}) = {r.ratio:4.2f}x{piped}, {r.gflops:6.1f} GFLOP/s"
+            f"({r.bound}) = {r.ratio:4.2f}x{piped}, {r.gflops:6.1f} GFLOP/s (probes "
+            f"{r.read_gb_s:.1f} GB/s, {r.gemm_gflops:.0f} GFLOP/s)"
             + (f"  [{parts}]" if parts else ""))
 
 
@@ -266,15 +281,16 @@ def format_report(rep: StepReport) -> str:
             f"{rep.copy_gb_s:.1f} GB/s read+write), GEMM {rep.gemm_gflops:.1f} GFLOP/s; probes: "
             + ", ".join(f"{k} {v:.1f}" for k, v in rep.probes.items()))
     lines = [head, "", "| step | bucket (R, T, W) | ms | floor ms | bound | ratio | "
-                       "pipelined ms | pipelined ratio | GFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+                       "pipelined ms | pipelined ratio | GFLOP/s | its probes GB/s, GFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep.rows:
         what = f"decode {r.rows} x ctx {r.context}" if r.kind == "decode" else \
             f"prefill {r.tokens}"
         piped = "- | -" if r.pipelined_ms is None else \
             f"{r.pipelined_ms:.1f} | {r.pipelined_ratio:.2f}x"
         lines.append(f"| {what} | {r.bucket} | {r.ms:.1f} | {r.floor_ms:.1f} | {r.bound} | "
-                     f"{r.ratio:.2f}x | {piped} | {r.gflops:.1f} |")
+                     f"{r.ratio:.2f}x | {piped} | {r.gflops:.1f} | {r.read_gb_s:.1f}, "
+                     f"{r.gemm_gflops:.0f} |")
     if any(r.breakdown for r in rep.rows):
         names = list(next(r.breakdown for r in rep.rows if r.breakdown))
         lines += ["", "| step | " + " | ".join(f"{n} ms" for n in names) + " |",

@@ -34,7 +34,7 @@
 // 16-key block it cost more than the scores), its invisible keys' p set to exactly 0; then
 // acc = acc * c + p @ v, acc in registers over the span's keys.  Out = acc / l.  Items run
 // longest first.  Measured on the Zen 5 box (BENCHMARKS.md, "Prefill attention as two
-// products"): a 512-token prefill's attention 1.75 -> 1.05 ms a layer.
+// products"): a 512-token prefill's attention 1.7-1.9 -> 1.0-1.1 ms a layer.
 // Positions beyond the table, and block ids outside [0, N), are clamped: a bad plan reads the
 // wrong keys but never memory outside the cache.
 
