@@ -20,9 +20,14 @@
 
 namespace xlaserve {
 
-constexpr int kTileVecs = 3;
+// The largest tile, kMaxRows x kTileVecs accumulators, leaves registers for the kTileVecs weight
+// vectors of a K row and one broadcast of x: 8 x 3 of AVX-512's 32, 6 x 2 of AVX2's 16.  A 4 x 3
+// tile on AVX2 fills all 16, so the compiler re-reads each weight vector as an FMA's memory
+// operand (12 loads a K row instead of 3): 42 GFLOP/s a core on a Zen 3 box against 6 x 2's 97,
+// of a 100 GFLOP/s FMA peak (/tmp microbenchmark: one layer's gate, 256 rows, one thread).
+constexpr int kTileVecs = kVectorRegisters >= 32 ? 3 : 2;
 constexpr int kTileN = kTileVecs * kLanes;
-constexpr int kMaxRows = kVectorRegisters >= 32 ? 8 : 4;  // MR: kMaxRows x 3 accumulators
+constexpr int kMaxRows = kVectorRegisters >= 32 ? 8 : 6;  // MR
 // Software prefetch distance of a register tile, in float32 weight rows ahead: kPrefetchRows
 // for unpacked weights (rows N floats apart); on packed panels, measured on the development box
 // (30 SmolLM2 layers), tiles of one or two rows stream at 31 GB/s with 6 rows ahead against
