@@ -5,8 +5,9 @@
 //   AVX2+FMA  Vec =  8 floats (__m256), 16 vector registers
 //   otherwise Vec =  4 floats, plain C++ the compiler vectorises as it can (NEON, SSE)
 //
-// Only what the kernels use: unaligned load/store (and a load of int8 widened to floats), broadcast, fused multiply-add, divide, max, a
-// horizontal sum and max, a kLanes x kLanes transpose, and exp (range reduction + degree-6
+// Only what the kernels use: unaligned load/store (and a load of int8 widened to floats),
+// broadcast, fused multiply-add, divide, max, a horizontal sum and max, a kLanes x kLanes
+// transpose, a register pin (keep_in_register), and exp (range reduction + degree-6
 // Taylor polynomial, relative error ~2e-7 over the softmax's range; inputs below -87 give 0).
 #pragma once
 
@@ -48,6 +49,9 @@ inline Vec load_widened(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
+
+// A no-op here: with 32 registers g++ keeps a tile's weight vectors in them (tile.h).
+inline void keep_in_register(Vec&) {}
 
 // dst[c * dst_stride + r] = src[r * src_stride + c] for r, c < 16: unpacks of 32- then 64-bit
 // pairs, then two rounds of 128-bit lane shuffles.
@@ -129,6 +133,10 @@ inline Vec scale_by_pow2(Vec a, Vec n) {  // a * 2^n for integral n in [-127, 12
   return {_mm256_mul_ps(a.v, _mm256_castsi256_ps(e))};
 }
 
+// Pins `a` in a register at this point: the compiler may no longer re-read its memory as an
+// FMA's operand each time it is used (see tile.h's accumulate_rows).
+inline void keep_in_register(Vec& a) { __asm__("" : "+x"(a.v)); }
+
 // dst[c * dst_stride + r] = src[r * src_stride + c] for r, c < 8.
 inline void transpose_tile(const float* src, int64_t src_stride, float* dst,
                            int64_t dst_stride) {
@@ -179,6 +187,7 @@ inline void transpose_tile(const float* src, int64_t src_stride, float* dst,
     for (int c = 0; c < 4; ++c) dst[c * dst_stride + r] = src[r * src_stride + c];
 }
 inline float hmax(Vec a) { return std::fmax(std::fmax(a.v[0], a.v[1]), std::fmax(a.v[2], a.v[3])); }
+inline void keep_in_register(Vec&) {}
 
 #endif
 

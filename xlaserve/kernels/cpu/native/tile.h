@@ -39,6 +39,16 @@ constexpr int64_t kItemsPerThread = 4;
 constexpr int64_t kStreamRows = 4;
 constexpr int64_t kMBlock = 64;      // rows of x run over the packed panels at a time
 
+// Whether a tile pins its K row's weight vectors in registers.  Tuned for znver3, g++ 12 makes
+// each of a 4 x 2 tile's FMAs re-read its weight vector from memory (8 loads and 4 broadcasts a
+// K row for 8 FMAs: load-bound), though registers are free; pinned, the loads are 2.  With fewer
+// than four registers to spare (6 x 2 on AVX2) a pin makes the compiler spill: those tiles are
+// left as compiled.  /tmp microbenchmark, one thread, gate at 256 rows on the Zen 3 box: 4 x 2
+// 48-65 -> 94-97 GFLOP/s; 6 x 2 ~100 unpinned, ~78 pinned.  (keep_in_register is a no-op on
+// AVX-512, whose tiles of 4 rows and more the compiler already keeps in registers.)
+template <int MR, int NV>
+constexpr bool kPinWeights = MR * NV + NV + 1 <= kVectorRegisters - 4;
+
 // acc[i][j] (+)= x[i, k0:k1] @ w[k0:k1, j-th vector] for the tile's MR rows and NV vectors.
 template <int MR, int NV, int64_t kAhead, int kPrefetches, typename WT>
 inline void accumulate_rows(Vec (&acc)[MR][NV], const float* __restrict x, int64_t ldx,
@@ -50,7 +60,10 @@ inline void accumulate_rows(Vec (&acc)[MR][NV], const float* __restrict x, int64
       __builtin_prefetch(wr + kAhead * ldw + j * kLanes, 0, 3);
     Vec wv[NV];
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) wv[j] = load_widened(wr + j * kLanes);
+    for (int j = 0; j < NV; ++j) {
+      wv[j] = load_widened(wr + j * kLanes);
+      if constexpr (kPinWeights<MR, NV>) keep_in_register(wv[j]);
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       Vec s = splat(x[i * ldx + k]);
