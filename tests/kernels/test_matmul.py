@@ -73,9 +73,10 @@ def test_shapes_are_checked_with_their_values():
         head_matmul(x, jnp.zeros((4, 9)))
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 33, 130])
+@pytest.mark.parametrize("m", [1, 3, 8, 20, 32, 33, 130])
 def test_packed_weights_match_the_unpacked(m):
-    """Panels of TILE_N columns, the last one padded (N = 200 is not a multiple of 48 or 24)."""
+    """Panels of TILE_N columns, the last one padded (N = 200 is not a multiple of 48 or 16);
+    the row counts take every register tile height and tail (8 / 6, then 4, 2, 1)."""
     from xlaserve.kernels.matmul import pack_weight
 
     rng = np.random.default_rng(m)
