@@ -1,7 +1,10 @@
 """Ragged paged attention over a flat batch: the jnp reference against the padded reference
-(same semantics), and the native CPU kernel against the reference on random shapes."""
+(same semantics), and the native CPU kernel against the reference on random shapes, over
+float32 caches and the 16-bit ones (every half and bfloat16 bit pattern read exactly)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +69,51 @@ def test_cpu_kernel_matches_reference(seed, q_lens, prefixes, group, head_dim, b
     assert rel_error(out, ref) < 1e-5
     padding = pick[:, 0] < 0
     np.testing.assert_array_equal(np.asarray(out)[padding], 0.0)
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("seed,q_lens,prefixes,group,head_dim,bs,window,cap",
+                         [CASES[1], CASES[3]])
+def test_cpu_kernel_reads_16_bit_caches_as_the_reference_does(seed, q_lens, prefixes, group,
+                                                              head_dim, bs, window, cap,
+                                                              cache_dtype):
+    _, flat, pick = flat_and_padded(seed, q_lens, prefixes, group, head_dim, bs)
+    flat = dataclasses.replace(flat, k_flat=flat.k_flat.astype(cache_dtype),
+                               v_flat=flat.v_flat.astype(cache_dtype))
+    kw = dict(**flat.kw(), soft_cap=cap, sliding_window=window)
+    out = jax.jit(lambda *a: ragged_attention(*a, **kw))(*flat.args())
+    ref = ragged_attention_reference(*flat.args(), **kw)   # widens the cache with astype
+    assert out.dtype == jnp.float32 and rel_error(out, ref) < 1e-5
+    np.testing.assert_array_equal(np.asarray(out)[pick[:, 0] < 0], 0.0)
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float16, jnp.bfloat16])
+def test_cpu_kernel_widens_every_16_bit_pattern_exactly(cache_dtype):
+    # Row r's only token is at position 0 and sees one key (k = 0): its output is its value
+    # row exactly, so the kernel's widening of all 65536 bit patterns (subnormals, +-inf, nan)
+    # is compared with numpy's, bit for bit (+0 and -0 alike: acc starts at +0).  XLA's CPU
+    # threads flush float32 subnormals to zero, so the bfloat16 patterns that are float32
+    # subnormals come out 0, as they do from the reference.
+    d, bs = 64, 16
+    rows = 65536 // d
+    bits = np.arange(65536, dtype=np.uint16).reshape(rows, 1, d)
+    v_rows = jnp.asarray(bits.view(np.dtype(cache_dtype)))                  # [rows, 1, D]
+    v_flat = jnp.zeros((rows * bs, 1, d), cache_dtype).at[::bs].set(v_rows)
+    k_flat = jnp.zeros_like(v_flat)
+    out = ragged_attention(jnp.ones((rows, 1, d), jnp.float32), k_flat, v_flat, jnp.int32(0),
+                           jnp.arange(rows, dtype=jnp.int32), jnp.zeros(rows, jnp.int32),
+                           jnp.arange(rows, dtype=jnp.int32)[:, None], num_blocks=rows,
+                           block_size=bs, scale=0.125)
+    want = np.asarray(v_rows, np.float32)
+    want[np.abs(want) < np.finfo(np.float32).tiny] = 0.0
+    np.testing.assert_array_equal(np.asarray(out), want)
+    ref = ragged_attention_reference(jnp.ones((rows, 1, d), jnp.float32), k_flat, v_flat,
+                                     jnp.int32(0), jnp.arange(rows, dtype=jnp.int32),
+                                     jnp.zeros(rows, jnp.int32),
+                                     jnp.arange(rows, dtype=jnp.int32)[:, None],
+                                     num_blocks=rows, block_size=bs, scale=0.125)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.asarray(ref)[finite], want[finite])
 
 
 def test_cpu_kernel_reads_the_layer_it_is_given():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from xlaserve.models.quantize import KV_DTYPES
+
 
 def _offline(args: argparse.Namespace) -> int:
     from xlaserve.bench.offline import OfflineOptions, offline_main
@@ -110,8 +112,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    "(calls waited for: not the headline numbers)")
     o.add_argument("--quantization", choices=["int8", "fp8"], default=None,
                    help="int8 weights (a float folder is quantized as it loads)")
-    o.add_argument("--kv-cache-dtype", choices=["int8", "fp8"], default=None,
-                   help="an int8 KV cache instead of the model's dtype")
+    o.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default=None,
+                   help="the KV cache's dtype (default: the model's)")
     o.set_defaults(fn=_offline)
 
     from xlaserve.bench.online_cli import add_online_parser
@@ -130,8 +132,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--backend", default="auto", help="attention backend (see kernels/)")
     st.add_argument("--quantization", choices=["int8", "fp8"], default=None,
                     help="serve the weights int8 (a float folder is quantized as it loads)")
-    st.add_argument("--kv-cache-dtype", choices=["int8", "fp8"], default=None,
-                    help="an int8 KV cache (rows with their scales) instead of the model's")
+    st.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default=None,
+                    help="the KV cache's dtype (default: the model's; int8 and fp8 are rows "
+                         "with their scales)")
     st.add_argument("--breakdown", action="store_true",
                     help="also time each part of every step alone (weights, attention, head, "
                          "sampler, host)")

@@ -66,7 +66,8 @@ def part_times(runner: ModelRunner, rows: Sequence[RowInput], repeats: int) -> d
 
         return jax.lax.scan(body, x, jnp.arange(c.num_layers, dtype=jnp.int32))[0]
 
-    _, num_blocks, block_size, kvh, d = runner.kv.k.shape
+    _, num_blocks, block_size, kvh, row = runner.kv.k.shape   # row: D, or D + 4 (int8, fp8)
+    d = c.head_dim
     meta = AttentionMetadata(*(jnp.asarray(a) for a in (host.block_tables, host.token_rows,
                                                          host.slot_mapping)))
     positions = jnp.asarray(host.positions)
@@ -75,7 +76,7 @@ def part_times(runner: ModelRunner, rows: Sequence[RowInput], repeats: int) -> d
 
     @jax.jit
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        k_flat, v_flat = k.reshape(-1, kvh, d), v.reshape(-1, kvh, d)
+        k_flat, v_flat = k.reshape(-1, kvh, row), v.reshape(-1, kvh, row)
 
         def body(acc: jax.Array, i: jax.Array) -> tuple[jax.Array, None]:
             out = attention(q + acc, k_flat, v_flat, i, meta.token_rows, positions,

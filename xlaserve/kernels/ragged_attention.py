@@ -33,6 +33,8 @@ from xlaserve.kernels.validation import (
     is_concrete,
 )
 
+# The caches the native kernel reads: float32 in place, the others converted span by span.
+KERNEL_CACHE_DTYPES = tuple(jnp.dtype(d) for d in ("float32", "float16", "bfloat16", "int8"))
 REFERENCE_CHUNK = 16   # tokens per gather in the reference: 16 x W*bs x KVH x D floats at once
 
 
@@ -168,16 +170,16 @@ def ragged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
 ) -> jax.Array:               # [T, H, D] float32
-    """The native CPU kernel (float32 on CPU, over a float32 or int8 cache); raises
+    """The native CPU kernel (float32 on CPU, over a KERNEL_CACHE_DTYPES cache); raises
     ValueError where it cannot run."""
     check_ragged_inputs(q, k_flat, v_flat, layer, token_rows, positions, block_tables,
                         num_blocks, block_size)
     soft_cap = check_soft_cap(soft_cap)
     sliding_window = check_sliding_window(sliding_window)
-    if not kernel_available(q.dtype) or k_flat.dtype not in (jnp.float32, jnp.int8):
-        reason = build.load_error() or f"it runs float32 on CPU over a float32 or int8 cache " \
-                                        f"(got {q.dtype} over {k_flat.dtype} on " \
-                                        f"{jax.default_backend()})"
+    if not kernel_available(q.dtype) or k_flat.dtype not in KERNEL_CACHE_DTYPES:
+        reason = build.load_error() or f"it runs float32 on CPU over a float32, float16, " \
+                                        f"bfloat16 or int8 cache (got {q.dtype} over " \
+                                        f"{k_flat.dtype} on {jax.default_backend()})"
         raise ValueError(f"the CPU attention kernel is not available: {reason}")
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("xlaserve_paged_attention", out)(

@@ -26,6 +26,9 @@ Q_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn"}
 # The KV cache dtypes served by name (engine kv_cache_dtype, bench --kv-cache-dtype) that are
 # not jax dtype names: fp8 rows are float8_e4m3fn with their scale inside (kernels/kv_quant.py).
 KV_CACHE_ALIASES = {"fp8": "float8_e4m3fn"}
+# Every KV cache dtype served: float32 (SmolLM2's), the 16-bit floats, and the quantized rows
+# of kernels/kv_quant.py ("fp8" is a GPU option).
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8")
 
 # The axis each quantizable matrix is grouped along (as stored, models/llama.param_shapes).
 GROUP_AXIS: dict[str, int] = {

@@ -15,14 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from xlaserve.models.quantize import KV_DTYPES
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.scheduler.config import SchedulerConfig
 from xlaserve.serving.speculative import SpeculativeConfig
 from xlaserve.sharding.mesh import MeshConfig
 
 _SCHEDULER_KEYS = frozenset(f.name for f in fields(SchedulerConfig))
-# kernels/kv_quant.py's, without jax; "fp8" is float8_e4m3fn rows, a GPU option
-KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8")
 
 
 @dataclass(frozen=True)

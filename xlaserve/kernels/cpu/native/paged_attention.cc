@@ -4,6 +4,7 @@
 //   q             [T, H, D]        f32   query of every token in the step (RoPE applied)
 //   k_cache       [L*N*bs, KVH, D] f32   the whole stacked cache, flat (the buffer the layer
 //   v_cache       [L*N*bs, KVH, D] f32   loop carries: a 5-D reshape would be copied per layer),
+//                 or f16 / bf16 (widened to f32 span by span as they are read),
 //                 or [L*N*bs, KVH, D + 4] s8: int8 rows, each followed by its float scale
 //                 (kernels/kv_quant.py), dequantized span by span as they are read
 //   layer         []               i32
@@ -26,13 +27,15 @@
 // (tokens x the G = H / KVH query heads sharing the kv head): one block's K and V for all
 // heads are contiguous (bs x KVH x D floats), so an item streams them, reading each span's
 // blocks ahead of the compute (only the blocks some token of the tile sees: on a prefill's
-// diagonal that trims the span).  Per (span, kv head) the keys are transposed once (kLanes x
-// kLanes register transposes), and the tile's query rows (up to kQueryTile x G) make two
-// register-tiled products, kSR rows x kSV vectors at a time (tile.h's accumulate_rows, as the
-// weight matmuls): scores = q @ k^T with each key vector loaded once for kSR rows; per row one
-// online-softmax step over the span's visible keys (running max m, sum l, exp vectorised: per
-// 16-key block it cost more than the scores), its invisible keys' p set to exactly 0; then
-// acc = acc * c + p @ v, acc in registers over the span's keys.  Out = acc / l.  Items run
+// diagonal that trims the span).  Per (span, kv head) the tile's query rows (up to kQueryTile x
+// G) make two products.  Scores = q @ k^T: with at most kDirectRows rows (a decode token's G
+// heads), each row against the keys in place, kLanes keys at a time (score_keys); with more, the
+// keys are transposed once (kLanes x kLanes register transposes) and the rows run as register
+// tiles, kSR rows x kSV vectors at a time (tile.h's accumulate_rows, as the weight matmuls),
+// each key vector loaded once for kSR rows.  Then per row one online-softmax step over the
+// span's visible keys (running max m, sum l, exp vectorised: per 16-key block it cost more
+// than the scores), its invisible keys' p set to exactly 0; then acc = acc * c + p @ v, acc in
+// registers over the span's keys (register tiles again).  Out = acc / l.  Items run
 // longest first.  Measured on the Zen 5 box (BENCHMARKS.md, "Prefill attention as two
 // products"): a 512-token prefill's attention 1.7-1.9 -> 1.0-1.1 ms a layer.
 // Positions beyond the table, and block ids outside [0, N), are clamped: a bad plan reads the
@@ -109,6 +112,9 @@ void transpose_keys(const float* kb, int64_t stride, int64_t bs, int64_t D, floa
 // the Zen 3 box, 6 x 2 in 25).
 constexpr int kSR = 6;
 constexpr int kSV = kVectorRegisters >= 32 ? 4 : 2;
+// Spans with at most this many query rows a kv head score the keys in place (score_keys);
+// more rows share one transposed copy of the keys (transpose_keys + ScoreTile).
+constexpr int64_t kDirectRows = 8;
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -125,6 +131,42 @@ struct ScoreTile {
     store_tile(acc, s, ld, nullptr);
   }
 };
+
+// s[j] = q . k_j for the span's keys j < keys, k_j at blocks[j / bs] + (j % bs) * stride (one kv
+// head's rows, read in place), kLanes keys at a time: each key's products summed lane-wise over
+// D, then the kLanes sums reduced at once (hsums).  Scores up to the next whole vector are
+// written too (a key past `keys` is read as the last one; softmax_step masks them).  For the few
+// query rows of a decode token (its G heads) this costs less than transposing the keys for the
+// register tiles: a 32-row decode's attention at 700 keys, 30 layers, 55 -> 50 ms on the Zen 3
+// box, 39 -> 31 ms with the keys in cache (/tmp/attn/bench2.py, BENCHMARKS.md).
+void score_keys(const float* q, int64_t D, const float* const* blocks, int64_t bs,
+                int64_t stride, int64_t keys, float* s) {
+  const int64_t dv = D - D % kLanes;
+  const float* k[kLanes];
+  for (int64_t j = 0; j < keys; j += kLanes) {
+    if (bs % kLanes == 0) {   // the kLanes keys are in one block
+      const float* first = blocks[j / bs] + j % bs * stride;
+#pragma GCC unroll 16
+      for (int i = 0; i < kLanes; ++i) k[i] = first + std::min<int64_t>(i, keys - 1 - j) * stride;
+    } else {
+      for (int i = 0; i < kLanes; ++i) {
+        const int64_t key = std::min<int64_t>(j + i, keys - 1);
+        k[i] = blocks[key / bs] + key % bs * stride;
+      }
+    }
+    Vec acc[kLanes];
+#pragma GCC unroll 16
+    for (int i = 0; i < kLanes; ++i) acc[i] = zero();
+    for (int64_t d = 0; d < dv; d += kLanes) {
+      const Vec qv = load(q + d);
+#pragma GCC unroll 16
+      for (int i = 0; i < kLanes; ++i) acc[i] = fma(qv, load(k[i] + d), acc[i]);
+    }
+    store(s + j, hsums(acc));
+    for (int64_t d = dv; d < D; ++d)   // head dims past the last whole vector
+      for (int i = 0; i < kLanes; ++i) s[j + i] += q[d] * k[i][d];
+  }
+}
 
 // acc_r[d0 : d0 + NV * kLanes] = acc_r * c_r + sum_{j < n} p[r * ld + j] * v_j for MR rows,
 // v_j = blocks[j / bs][(j % bs) * stride + d0 ...]: the span's value rows, block by block.
@@ -194,25 +236,55 @@ void dequantize_rows(const int8_t* src, int64_t rows, int64_t D, float* dst) {
   }
 }
 
+// dst[i] = src[i] as a float for i < n: a run of 16-bit cache rows (halves or bfloat16s).
+template <typename T>
+void widen(const T* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(dst + i, load_widened(src + i));
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
 // Reads `floats` floats at k and at v, so that they are in cache when the compute loops come
 // (a tight run of loads streams from memory ~1.8x faster than the loads the compute issues);
 // returns a sum nobody uses but the compiler cannot drop.
+// One load per 64-byte line, into four independent sums (one chain of adds made a span that
+// is in L2 already cost as much as its scores).
 float warm(const float* k, const float* v, int64_t floats) {
-  Vec a = zero(), b = zero();
-  for (int64_t i = 0; i + kLanes <= floats; i += kLanes) {
+  constexpr int64_t kLine = std::max(64 / static_cast<int>(sizeof(float)), kLanes);
+  Vec a = zero(), b = zero(), c = zero(), d = zero();
+  int64_t i = 0;
+  for (; i + 2 * kLine <= floats; i += 2 * kLine) {
+    a = add(a, load(k + i));
+    b = add(b, load(v + i));
+    c = add(c, load(k + i + kLine));
+    d = add(d, load(v + i + kLine));
+  }
+  for (; i + kLanes <= floats; i += kLine) {
     a = add(a, load(k + i));
     b = add(b, load(v + i));
   }
-  return hsum(add(a, b));
+  return hsum(add(add(a, b), add(c, d)));
 }
 
-// The cache: float rows, or int8 rows with their scales (then k8 / v8 are set and k / v not).
+// The cache's element type, and its K and V (rows of D elements; D + 4 bytes for int8).
+enum class CacheType { kF32, kF16, kBF16, kS8 };
 struct Cache {
-  const float* k;
-  const float* v;
-  const int8_t* k8;
-  const int8_t* v8;
+  CacheType type;
+  const void* k;
+  const void* v;
 };
+
+// dst [rows, D] = `rows` rows of a 16-bit or int8 cache's k or v (base) from `row` on, as
+// floats (a float32 cache is read in place instead).
+void to_floats(CacheType type, const void* base, int64_t row, int64_t rows, int64_t D,
+               float* dst) {
+  if (type == CacheType::kF16)
+    widen(static_cast<const Half*>(base) + row * D, rows * D, dst);
+  else if (type == CacheType::kBF16)
+    widen(static_cast<const BFloat16*>(base) + row * D, rows * D, dst);
+  else
+    dequantize_rows(static_cast<const int8_t*>(base) + row * (D + 4), rows, D, dst);
+}
 
 // Attend the tile's tokens to blocks [b0, b1) of their row; states[i * H + h] is token i,
 // query head h, already initialised (and left unnormalised).  Blocks go span_blocks at a time
@@ -231,16 +303,16 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
   const int64_t ld = round_up(span_blocks * bs, kLanes);   // score rows: whole key vectors
   const int64_t rows = nq * G;                             // query rows per kv head
   const int64_t dv = D - D % kLanes;                       // head dims in whole vectors
-  const bool int8 = cache.k8 != nullptr;
+  const bool in_place = cache.type == CacheType::kF32;
   thread_local std::vector<float> scratch;
   scratch.resize(g.KVH * rows * D + D * ld + rows * ld + rows +
-                 (int8 ? 2 * span_blocks * block_floats : 0));
+                 (in_place ? 0 : 2 * span_blocks * block_floats));
   float* qs = scratch.data();              // [KVH, nq * G, D] scaled queries, by kv head
   float* kt = qs + g.KVH * rows * D;       // [D, ld] one kv head's keys, transposed
   float* s = kt + D * ld;                  // [nq * G, ld] scores, then their exps
   float* c = s + rows * ld;                // [nq * G] each row's rescale factor this span
-  float* kf = c + rows;                    // int8 caches: [span_blocks, bs, KVH, D] the
-  float* vf = kf + span_blocks * block_floats;   // span's keys and values, dequantized
+  float* kf = c + rows;                    // other caches: [span_blocks, bs, KVH, D] the
+  float* vf = kf + span_blocks * block_floats;   // span's keys and values, as floats
   thread_local std::vector<float*> acc;    // [nq * G] each row's acc[D], for one kv head
   acc.resize(rows);
   int64_t qpos[kQueryTile], qlo[kQueryTile];
@@ -279,26 +351,33 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
     const int64_t width = round_up(keys, kLanes), r0 = i0 * G, r1 = i1 * G;
     for (int64_t x = 0; x * bs < keys; ++x) {   // read the span's blocks into cache
       const int64_t row = first_row(b + x);
-      if (int8) {
-        dequantize_rows(cache.k8 + row * (D + 4), bs * g.KVH, D, kf + x * block_floats);
-        dequantize_rows(cache.v8 + row * (D + 4), bs * g.KVH, D, vf + x * block_floats);
+      if (in_place) {
+        kblk[x] = static_cast<const float*>(cache.k) + row * D;
+        vblk[x] = static_cast<const float*>(cache.v) + row * D;
+        sink += warm(kblk[x], vblk[x], block_floats);
+      } else {   // the converting loads stream the span as warm's do
         kblk[x] = kf + x * block_floats;
         vblk[x] = vf + x * block_floats;
-      } else {
-        kblk[x] = cache.k + row * D;
-        vblk[x] = cache.v + row * D;
-        sink += warm(kblk[x], vblk[x], block_floats);
+        to_floats(cache.type, cache.k, row, bs * g.KVH, D, kf + x * block_floats);
+        to_floats(cache.type, cache.v, row, bs * g.KVH, D, vf + x * block_floats);
       }
     }
     for (int64_t kvh = 0; kvh < g.KVH; ++kvh) {
-      for (int64_t x = 0; x * bs < keys; ++x)
-        transpose_keys(kblk[x] + kvh * D, stride, bs, D, kt + x * bs, ld);
       const float* qk = qs + kvh * rows * D;
-      for (int64_t r = r0; r < r1; r += kSR) {
-        const int mr = static_cast<int>(std::min<int64_t>(kSR, r1 - r));
-        for (int64_t j = 0; j < width; j += kSV * kLanes) {
-          const int nv = static_cast<int>(std::min<int64_t>(kSV, (width - j) / kLanes));
-          kTiles<ScoreTile>[mr - 1][nv - 1](qk + r * D, D, kt + j, ld, s + r * ld + j);
+      if (r1 - r0 <= kDirectRows) {
+        const float* kk[kSpanKeys];
+        for (int64_t x = 0; x * bs < keys; ++x) kk[x] = kblk[x] + kvh * D;
+        for (int64_t r = r0; r < r1; ++r)
+          score_keys(qk + r * D, D, kk, bs, stride, keys, s + r * ld);
+      } else {
+        for (int64_t x = 0; x * bs < keys; ++x)
+          transpose_keys(kblk[x] + kvh * D, stride, bs, D, kt + x * bs, ld);
+        for (int64_t r = r0; r < r1; r += kSR) {
+          const int mr = static_cast<int>(std::min<int64_t>(kSR, r1 - r));
+          for (int64_t j = 0; j < width; j += kSV * kLanes) {
+            const int nv = static_cast<int>(std::min<int64_t>(kSV, (width - j) / kLanes));
+            kTiles<ScoreTile>[mr - 1][nv - 1](qk + r * D, D, kt + j, ld, s + r * ld + j);
+          }
         }
       }
       for (int64_t r = r0; r < r1; ++r) {
@@ -355,11 +434,20 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
   g.scale = scale;
   g.soft_cap = soft_cap;
   g.window = sliding_window;
-  const bool int8 = k_cache.element_type() == ffi::DataType::S8;
-  if (k_cache.element_type() != v_cache.element_type() ||
-      (!int8 && k_cache.element_type() != ffi::DataType::F32))
-    return ffi::Error::InvalidArgument("xlaserve_paged_attention: caches must both be f32 or "
-                                       "both s8");
+  Cache cache{CacheType::kF32, k_cache.untyped_data(), v_cache.untyped_data()};
+  switch (k_cache.element_type()) {
+    case ffi::DataType::F32: break;
+    case ffi::DataType::F16: cache.type = CacheType::kF16; break;
+    case ffi::DataType::BF16: cache.type = CacheType::kBF16; break;
+    case ffi::DataType::S8: cache.type = CacheType::kS8; break;
+    default:
+      return ffi::Error::InvalidArgument("xlaserve_paged_attention: the caches must be f32, "
+                                         "f16, bf16 or s8");
+  }
+  if (v_cache.element_type() != k_cache.element_type())
+    return ffi::Error::InvalidArgument("xlaserve_paged_attention: k_cache and v_cache "
+                                       "element types differ");
+  const bool int8 = cache.type == CacheType::kS8;
   const int64_t row = int8 ? g.D + 4 : g.D;   // an int8 row carries its scale
   if (k_cache.dimensions().size() != 3 || v_cache.dimensions().size() != 3 || g.KVH <= 0 ||
       g.H % g.KVH || k_cache.dimensions()[2] != row ||
@@ -426,14 +514,6 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
   state_buffer.resize(items.size() * kQueryTile * g.H * row_floats);
   float* const state = state_buffer.data();       // (workers must not name the thread_local)
   const float* qp = q.typed_data();
-  Cache cache{nullptr, nullptr, nullptr, nullptr};
-  if (int8) {
-    cache.k8 = static_cast<const int8_t*>(k_cache.untyped_data());
-    cache.v8 = static_cast<const int8_t*>(v_cache.untyped_data());
-  } else {
-    cache.k = static_cast<const float*>(k_cache.untyped_data());
-    cache.v = static_cast<const float*>(v_cache.untyped_data());
-  }
   const int32_t* bt = block_tables.typed_data();
   // Longest items first (a prefill's last tiles see the most keys), so no thread is left
   // with a long one at the end.
@@ -506,7 +586,7 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttention, xlaserve::PagedAttention,
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_3>()  // q
-                                  .Arg<ffi::AnyBuffer>()   // k_cache (f32 or s8 rows)
+                                  .Arg<ffi::AnyBuffer>()   // k_cache (f32, f16, bf16, s8)
                                   .Arg<ffi::AnyBuffer>()   // v_cache
                                   .Arg<xlaserve::S32_0>()  // layer
                                   .Arg<xlaserve::S32_1>()  // token_rows

@@ -5,10 +5,11 @@
 //   AVX2+FMA  Vec =  8 floats (__m256), 16 vector registers
 //   otherwise Vec =  4 floats, plain C++ the compiler vectorises as it can (NEON, SSE)
 //
-// Only what the kernels use: unaligned load/store (and a load of int8 widened to floats),
-// broadcast, fused multiply-add, divide, max, a horizontal sum and max, a kLanes x kLanes
-// transpose, a register pin (keep_in_register), and exp (range reduction + degree-6
-// Taylor polynomial, relative error ~2e-7 over the softmax's range; inputs below -87 give 0).
+// Only what the kernels use: unaligned load/store (and loads of int8, IEEE half and bfloat16
+// widened to floats), broadcast, fused multiply-add, divide, max, a horizontal sum and max (and
+// the sums of kLanes vectors at once), a kLanes x kLanes transpose, a register pin
+// (keep_in_register), and exp (range reduction + degree-6 Taylor polynomial, relative error
+// ~2e-7 over the softmax's range; inputs below -87 give 0).
 #pragma once
 
 #include <cmath>
@@ -20,6 +21,32 @@
 #endif
 
 namespace xlaserve {
+
+// The two 16-bit float formats a KV cache may hold, as their bits: IEEE binary16 (1 sign, 5
+// exponent, 10 mantissa bits) and bfloat16 (float32's top half).
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float to_float(BFloat16 x) { return from_bits(static_cast<uint32_t>(x.bits) << 16); }
+// Exact: every binary16 value is a float32.  The exponent is rebiased 15 -> 127; subnormals
+// (exponent 0) are mantissa x 2^-24; exponent 31 is inf or nan.
+inline float to_float(Half x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1fu, mantissa = x.bits & 0x3ffu;
+  if (exponent == 0x1f) return from_bits(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent != 0) return from_bits(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  const float tiny = std::ldexp(static_cast<float>(mantissa), -24);
+  return sign ? -tiny : tiny;
+}
 
 #if defined(__AVX512F__)
 
@@ -48,6 +75,14 @@ inline Vec scale_by_pow2(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; } 
 inline Vec load_widened(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+// 16 halves or bfloat16s at p, widened to floats (16-bit KV caches).
+inline Vec load_widened(const Half* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline Vec load_widened(const BFloat16* p) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))};
 }
 
 // A no-op here: with 32 registers g++ keeps a tile's weight vectors in them (tile.h).
@@ -127,6 +162,21 @@ inline Vec load_widened(const int8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
 }
+// 8 halves or bfloat16s at p, widened to floats (16-bit KV caches); halves through F16C where
+// the CPU has it (every AVX2 CPU we know does; -march=x86-64-v3 includes it).
+inline Vec load_widened(const Half* p) {
+#if defined(__F16C__)
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = to_float(p[i]);
+  return {_mm256_load_ps(f)};
+#endif
+}
+inline Vec load_widened(const BFloat16* p) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16))};
+}
 inline Vec scale_by_pow2(Vec a, Vec n) {  // a * 2^n for integral n in [-127, 127]
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v),
                                                  _mm256_set1_epi32(127)), 23);
@@ -158,6 +208,17 @@ inline void transpose_tile(const float* src, int64_t src_stride, float* dst,
   }
 }
 
+// Lane i of the result = hsum(a[i]), for 8 vectors: three rounds of pairwise horizontal adds
+// (the third across the 128-bit halves).
+#define XLASERVE_HAVE_HSUMS 1
+inline Vec hsums(const Vec* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0].v, a[1].v), t1 = _mm256_hadd_ps(a[2].v, a[3].v);
+  const __m256 t2 = _mm256_hadd_ps(a[4].v, a[5].v), t3 = _mm256_hadd_ps(a[6].v, a[7].v);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // halves: a0-3, a4-7
+  return {_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                        _mm256_permute2f128_ps(u0, u1, 0x31))};
+}
+
 #else
 
 constexpr int kLanes = 4;
@@ -178,6 +239,8 @@ inline Vec div(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] / b.v[i]); }
 inline Vec max(Vec a, Vec b) { XLASERVE_LANEWISE(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
 inline Vec round_nearest(Vec a) { XLASERVE_LANEWISE(std::nearbyint(a.v[i])); }
 inline Vec load_widened(const int8_t* p) { XLASERVE_LANEWISE(static_cast<float>(p[i])); }
+inline Vec load_widened(const Half* p) { XLASERVE_LANEWISE(to_float(p[i])); }
+inline Vec load_widened(const BFloat16* p) { XLASERVE_LANEWISE(to_float(p[i])); }
 inline Vec scale_by_pow2(Vec a, Vec n) { XLASERVE_LANEWISE(std::ldexp(a.v[i], int(n.v[i]))); }
 #undef XLASERVE_LANEWISE
 inline float hsum(Vec a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
@@ -193,6 +256,20 @@ inline void keep_in_register(Vec&) {}
 
 // The same load for float weights, so kernels templated on the weight type read either.
 inline Vec load_widened(const float* p) { return load(p); }
+
+#ifndef XLASERVE_HAVE_HSUMS
+// Lane i of the result = hsum(a[i]), for kLanes vectors: transposed through memory, then the
+// rows added (AVX-512 and the 4-lane path; AVX2 has its own above).
+inline Vec hsums(const Vec* a) {
+  float t[kLanes * kLanes], u[kLanes * kLanes];
+  for (int i = 0; i < kLanes; ++i) store(t + i * kLanes, a[i]);
+  transpose_tile(t, kLanes, u, kLanes);
+  Vec sum = load(u);
+  for (int i = 1; i < kLanes; ++i) sum = add(sum, load(u + i * kLanes));
+  return sum;
+}
+#endif
+#undef XLASERVE_HAVE_HSUMS
 
 // exp(x) lane by lane.  x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor polynomial to r^6
 // (Horner), times 2^n.  Inputs are clamped to [-87.3, 88.3]; below that the true value is under

@@ -61,8 +61,9 @@ inline void accumulate_rows(Vec (&acc)[MR][NV], const float* __restrict x, int64
     Vec wv[NV];
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) {
-      wv[j] = load_widened(wr + j * kLanes);
-      if constexpr (kPinWeights<MR, NV>) keep_in_register(wv[j]);
+      Vec w = load_widened(wr + j * kLanes);   // pinned as a copy: pinning wv[j] itself makes
+      if constexpr (kPinWeights<MR, NV>) keep_in_register(w);   // the arrays memory, and every
+      wv[j] = w;                               // acc is stored each K row (ValueTile's loop)
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
