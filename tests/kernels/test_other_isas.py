@@ -17,10 +17,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/kernels/test_ragged_attention.py::test_cpu_kernel_matches_reference",
-         "tests/kernels/test_ragged_attention.py::test_cpu_kernel_reads_16_bit_caches_as_the_"
-         "reference_does",
-         "tests/kernels/test_ragged_attention.py::test_cpu_kernel_widens_every_16_bit_pattern_"
-         "exactly",
+         ("tests/kernels/test_ragged_attention.py::test_cpu_kernel_reads_16_bit_caches_as_the_"
+          "reference_does"),
+         ("tests/kernels/test_ragged_attention.py::test_cpu_kernel_widens_every_16_bit_pattern_"
+          "exactly"),
          "tests/kernels/test_kv_quant.py", "tests/kernels/test_matmul.py"]
 
 
