@@ -244,24 +244,27 @@ void widen(const T* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
-// Reads `floats` floats at k and at v, so that they are in cache when the compute loops come
-// (a tight run of loads streams from memory ~1.8x faster than the loads the compute issues);
-// returns a sum nobody uses but the compiler cannot drop.
-// One load per 64-byte line, into four independent sums (one chain of adds made a span that
-// is in L2 already cost as much as its scores).
-float warm(const float* k, const float* v, int64_t floats) {
+// Reads the span's nb blocks of K and V (`floats` floats each) so that they are in cache when
+// the compute loops come: a tight run of loads streams from memory ~1.8x faster than the loads
+// the compute issues.  One load per 64-byte line, line i of every block before line i + 1 (2 nb
+// streams at once: 32 rows x 700 keys, 30 layers, 48.6 -> 46.8 ms against a block at a time),
+// into four independent sums (one chain of adds made a span that is in L2 already cost as much
+// as its scores); returns a sum nobody uses but the compiler cannot drop.
+float warm(const float* const* k, const float* const* v, int64_t nb, int64_t floats) {
   constexpr int64_t kLine = std::max(64 / static_cast<int>(sizeof(float)), kLanes);
   Vec a = zero(), b = zero(), c = zero(), d = zero();
-  int64_t i = 0;
-  for (; i + 2 * kLine <= floats; i += 2 * kLine) {
-    a = add(a, load(k + i));
-    b = add(b, load(v + i));
-    c = add(c, load(k + i + kLine));
-    d = add(d, load(v + i + kLine));
-  }
-  for (; i + kLanes <= floats; i += kLine) {
-    a = add(a, load(k + i));
-    b = add(b, load(v + i));
+  for (int64_t i = 0; i + kLanes <= floats; i += kLine) {
+    int64_t x = 0;
+    for (; x + 2 <= nb; x += 2) {
+      a = add(a, load(k[x] + i));
+      b = add(b, load(v[x] + i));
+      c = add(c, load(k[x + 1] + i));
+      d = add(d, load(v[x + 1] + i));
+    }
+    if (x < nb) {
+      a = add(a, load(k[x] + i));
+      b = add(b, load(v[x] + i));
+    }
   }
   return hsum(add(add(a, b), add(c, d)));
 }
@@ -349,12 +352,12 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
     }
     if (i1 <= i0) continue;
     const int64_t width = round_up(keys, kLanes), r0 = i0 * G, r1 = i1 * G;
-    for (int64_t x = 0; x * bs < keys; ++x) {   // read the span's blocks into cache
+    const int64_t nread = (keys + bs - 1) / bs;   // the blocks some token sees
+    for (int64_t x = 0; x < nread; ++x) {
       const int64_t row = first_row(b + x);
       if (in_place) {
         kblk[x] = static_cast<const float*>(cache.k) + row * D;
         vblk[x] = static_cast<const float*>(cache.v) + row * D;
-        sink += warm(kblk[x], vblk[x], block_floats);
       } else {   // the converting loads stream the span as warm's do
         kblk[x] = kf + x * block_floats;
         vblk[x] = vf + x * block_floats;
@@ -362,6 +365,7 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
         to_floats(cache.type, cache.v, row, bs * g.KVH, D, vf + x * block_floats);
       }
     }
+    if (in_place) sink += warm(kblk, vblk, nread, block_floats);   // the span into cache
     for (int64_t kvh = 0; kvh < g.KVH; ++kvh) {
       const float* qk = qs + kvh * rows * D;
       if (r1 - r0 <= kDirectRows) {
