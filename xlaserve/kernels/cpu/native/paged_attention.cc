@@ -4,7 +4,8 @@
 //   q             [T, H, D]        f32   query of every token in the step (RoPE applied)
 //   k_cache       [L*N*bs, KVH, D] f32   the whole stacked cache, flat (the buffer the layer
 //   v_cache       [L*N*bs, KVH, D] f32   loop carries: a 5-D reshape would be copied per layer),
-//                 or f16 / bf16 (widened to f32 span by span as they are read),
+//                 or f16 / bf16 (read in place for decode tokens, widened as they are loaded;
+//                 widened into floats span by span for prefill tiles),
 //                 or [L*N*bs, KVH, D + 4] s8: int8 rows, each followed by its float scale
 //                 (kernels/kv_quant.py), dequantized span by span as they are read
 //   layer         []               i32
@@ -47,6 +48,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -139,13 +141,14 @@ struct ScoreTile {
 // query rows of a decode token (its G heads) this costs less than transposing the keys for the
 // register tiles: a 32-row decode's attention at 700 keys, 30 layers, 55 -> 50 ms on the Zen 3
 // box, 39 -> 31 ms with the keys in cache (/tmp/attn/bench2.py, BENCHMARKS.md).
-void score_keys(const float* q, int64_t D, const float* const* blocks, int64_t bs,
-                int64_t stride, int64_t keys, float* s) {
+template <typename T>
+void score_keys(const float* q, int64_t D, const T* const* blocks, int64_t bs, int64_t stride,
+                int64_t keys, float* s) {
   const int64_t dv = D - D % kLanes;
-  const float* k[kLanes];
+  const T* k[kLanes];
   for (int64_t j = 0; j < keys; j += kLanes) {
     if (bs % kLanes == 0) {   // the kLanes keys are in one block
-      const float* first = blocks[j / bs] + j % bs * stride;
+      const T* first = blocks[j / bs] + j % bs * stride;
 #pragma GCC unroll 16
       for (int i = 0; i < kLanes; ++i) k[i] = first + std::min<int64_t>(i, keys - 1 - j) * stride;
     } else {
@@ -160,29 +163,33 @@ void score_keys(const float* q, int64_t D, const float* const* blocks, int64_t b
     for (int64_t d = 0; d < dv; d += kLanes) {
       const Vec qv = load(q + d);
 #pragma GCC unroll 16
-      for (int i = 0; i < kLanes; ++i) acc[i] = fma(qv, load(k[i] + d), acc[i]);
+      for (int i = 0; i < kLanes; ++i) acc[i] = fma(qv, load_widened(k[i] + d), acc[i]);
     }
     store(s + j, hsums(acc));
     for (int64_t d = dv; d < D; ++d)   // head dims past the last whole vector
-      for (int i = 0; i < kLanes; ++i) s[j + i] += q[d] * k[i][d];
+      for (int i = 0; i < kLanes; ++i) s[j + i] += q[d] * to_float(k[i][d]);
   }
 }
 
 // acc_r[d0 : d0 + NV * kLanes] = acc_r * c_r + sum_{j < n} p[r * ld + j] * v_j for MR rows,
-// v_j = blocks[j / bs][(j % bs) * stride + d0 ...]: the span's value rows, block by block.
-template <int MR, int NV>
+// v_j = blocks[j / bs][(j % bs) * stride + d0 ...]: the span's value rows, block by block, of
+// element type T (float, or a 16-bit cache's read in place).
+template <typename T>
 struct ValueTile {
-  static void run(float* const* acc, int64_t d0, const float* c, const float* p, int64_t ld,
-                  const float* const* blocks, int64_t bs, int64_t stride, int64_t n) {
-    Vec a[MR][NV];
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NV; ++j) a[r][j] = mul(load(acc[r] + d0 + j * kLanes), splat(c[r]));
-    for (int64_t x = 0; x * bs < n; ++x)
-      accumulate_rows<MR, NV, 0, 0>(a, p + x * bs, ld, blocks[x] + d0, stride, 0,
-                                    std::min(bs, n - x * bs));
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NV; ++j) store(acc[r] + d0 + j * kLanes, a[r][j]);
-  }
+  template <int MR, int NV>
+  struct Of {
+    static void run(float* const* acc, int64_t d0, const float* c, const float* p, int64_t ld,
+                    const T* const* blocks, int64_t bs, int64_t stride, int64_t n) {
+      Vec a[MR][NV];
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NV; ++j) a[r][j] = mul(load(acc[r] + d0 + j * kLanes), splat(c[r]));
+      for (int64_t x = 0; x * bs < n; ++x)
+        accumulate_rows<MR, NV, 0, 0>(a, p + x * bs, ld, blocks[x] + d0, stride, 0,
+                                      std::min(bs, n - x * bs));
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NV; ++j) store(acc[r] + d0 + j * kLanes, a[r][j]);
+    }
+  };
 };
 
 // kTiles<F>[mr - 1][nv - 1] = F<mr, nv>::run for every tile shape up to kSR x kSV.
@@ -250,20 +257,26 @@ void widen(const T* src, int64_t n, float* dst) {
 // streams at once: 32 rows x 700 keys, 30 layers, 48.6 -> 46.8 ms against a block at a time),
 // into four independent sums (one chain of adds made a span that is in L2 already cost as much
 // as its scores); returns a sum nobody uses but the compiler cannot drop.
-float warm(const float* const* k, const float* const* v, int64_t nb, int64_t floats) {
+// A 16-bit cache's blocks are read as floats here (the sum is of their bits, and unused).
+template <typename T>
+float warm(const T* const* k, const T* const* v, int64_t nb, int64_t elements) {
   constexpr int64_t kLine = std::max(64 / static_cast<int>(sizeof(float)), kLanes);
+  const int64_t floats = elements * static_cast<int64_t>(sizeof(T)) / 4;
+  auto at = [](const T* block, int64_t i) {
+    return load(reinterpret_cast<const float*>(block) + i);
+  };
   Vec a = zero(), b = zero(), c = zero(), d = zero();
   for (int64_t i = 0; i + kLanes <= floats; i += kLine) {
     int64_t x = 0;
     for (; x + 2 <= nb; x += 2) {
-      a = add(a, load(k[x] + i));
-      b = add(b, load(v[x] + i));
-      c = add(c, load(k[x + 1] + i));
-      d = add(d, load(v[x + 1] + i));
+      a = add(a, at(k[x], i));
+      b = add(b, at(v[x], i));
+      c = add(c, at(k[x + 1], i));
+      d = add(d, at(v[x + 1], i));
     }
     if (x < nb) {
-      a = add(a, load(k[x] + i));
-      b = add(b, load(v[x] + i));
+      a = add(a, at(k[x], i));
+      b = add(b, at(v[x], i));
     }
   }
   return hsum(add(add(a, b), add(c, d)));
@@ -306,10 +319,9 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
   const int64_t ld = round_up(span_blocks * bs, kLanes);   // score rows: whole key vectors
   const int64_t rows = nq * G;                             // query rows per kv head
   const int64_t dv = D - D % kLanes;                       // head dims in whole vectors
-  const bool in_place = cache.type == CacheType::kF32;
   thread_local std::vector<float> scratch;
   scratch.resize(g.KVH * rows * D + D * ld + rows * ld + rows +
-                 (in_place ? 0 : 2 * span_blocks * block_floats));
+                 (cache.type == CacheType::kF32 ? 0 : 2 * span_blocks * block_floats));
   float* qs = scratch.data();              // [KVH, nq * G, D] scaled queries, by kv head
   float* kt = qs + g.KVH * rows * D;       // [D, ld] one kv head's keys, transposed
   float* s = kt + D * ld;                  // [nq * G, ld] scores, then their exps
@@ -353,37 +365,36 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
     if (i1 <= i0) continue;
     const int64_t width = round_up(keys, kLanes), r0 = i0 * G, r1 = i1 * G;
     const int64_t nread = (keys + bs - 1) / bs;   // the blocks some token sees
-    for (int64_t x = 0; x < nread; ++x) {
-      const int64_t row = first_row(b + x);
-      if (in_place) {
-        kblk[x] = static_cast<const float*>(cache.k) + row * D;
-        vblk[x] = static_cast<const float*>(cache.v) + row * D;
-      } else {   // the converting loads stream the span as warm's do
-        kblk[x] = kf + x * block_floats;
-        vblk[x] = vf + x * block_floats;
-        to_floats(cache.type, cache.k, row, bs * g.KVH, D, kf + x * block_floats);
-        to_floats(cache.type, cache.v, row, bs * g.KVH, D, vf + x * block_floats);
-      }
-    }
-    if (in_place) sink += warm(kblk, vblk, nread, block_floats);   // the span into cache
-    for (int64_t kvh = 0; kvh < g.KVH; ++kvh) {
+    const bool direct = r1 - r0 <= kDirectRows;
+    // The products of kv head kvh over the span's blocks kb, vb (of the cache's element type,
+    // or floats converted from it): scores, one softmax step a row, acc = acc * c + p @ v.
+    auto kv_head = [&](const auto* const* kb, const auto* const* vb, int64_t kvh) {
+      using T = std::decay_t<decltype(**kb)>;
       const float* qk = qs + kvh * rows * D;
-      if (r1 - r0 <= kDirectRows) {
-        const float* kk[kSpanKeys];
-        for (int64_t x = 0; x * bs < keys; ++x) kk[x] = kblk[x] + kvh * D;
-        for (int64_t r = r0; r < r1; ++r)
-          score_keys(qk + r * D, D, kk, bs, stride, keys, s + r * ld);
-      } else {
-        for (int64_t x = 0; x * bs < keys; ++x)
-          transpose_keys(kblk[x] + kvh * D, stride, bs, D, kt + x * bs, ld);
-        for (int64_t r = r0; r < r1; r += kSR) {
-          const int mr = static_cast<int>(std::min<int64_t>(kSR, r1 - r));
-          for (int64_t j = 0; j < width; j += kSV * kLanes) {
-            const int nv = static_cast<int>(std::min<int64_t>(kSV, (width - j) / kLanes));
-            kTiles<ScoreTile>[mr - 1][nv - 1](qk + r * D, D, kt + j, ld, s + r * ld + j);
+      const T* kk[kSpanKeys];
+      const T* vk[kSpanKeys];
+      for (int64_t x = 0; x < nread; ++x) {
+        kk[x] = kb[x] + kvh * D;
+        vk[x] = vb[x] + kvh * D;
+      }
+      bool scored = false;
+      if constexpr (std::is_same_v<T, float>) {
+        if (!direct) {
+          for (int64_t x = 0; x < nread; ++x)
+            transpose_keys(kk[x], stride, bs, D, kt + x * bs, ld);
+          for (int64_t r = r0; r < r1; r += kSR) {
+            const int mr = static_cast<int>(std::min<int64_t>(kSR, r1 - r));
+            for (int64_t j = 0; j < width; j += kSV * kLanes) {
+              const int nv = static_cast<int>(std::min<int64_t>(kSV, (width - j) / kLanes));
+              kTiles<ScoreTile>[mr - 1][nv - 1](qk + r * D, D, kt + j, ld, s + r * ld + j);
+            }
           }
+          scored = true;
         }
       }
+      if (!scored)
+        for (int64_t r = r0; r < r1; ++r)
+          score_keys(qk + r * D, D, kk, bs, stride, keys, s + r * ld);
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t i = r / G;
         RowState& st = states[i * g.H + kvh * G + r % G];
@@ -395,22 +406,49 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
           std::fill(s + r * ld, s + r * ld + width, 0.0f);
         }
       }
-      const float* vk[kSpanKeys];
-      for (int64_t x = 0; x * bs < keys; ++x) vk[x] = vblk[x] + kvh * D;
       for (int64_t r = r0; r < r1; r += kSR) {
         const int mr = static_cast<int>(std::min<int64_t>(kSR, r1 - r));
         for (int64_t d = 0; d < dv; d += kSV * kLanes) {
           const int nv = static_cast<int>(std::min<int64_t>(kSV, (dv - d) / kLanes));
-          kTiles<ValueTile>[mr - 1][nv - 1](acc.data() + r, d, c + r, s + r * ld, ld, vk, bs,
-                                            stride, keys);
+          kTiles<ValueTile<T>::template Of>[mr - 1][nv - 1](acc.data() + r, d, c + r,
+                                                            s + r * ld, ld, vk, bs, stride, keys);
         }
         for (int64_t d = dv; d < D; ++d)   // head dims past the last whole vector
           for (int64_t k = r; k < r + mr; ++k) {
             float a = acc[k][d] * c[k];
-            for (int64_t j = 0; j < keys; ++j) a += s[k * ld + j] * vk[j / bs][j % bs * stride + d];
+            for (int64_t j = 0; j < keys; ++j)
+              a += s[k * ld + j] * to_float(vk[j / bs][j % bs * stride + d]);
             acc[k][d] = a;
           }
       }
+    };
+    // Float32 blocks are read in place, and so are a 16-bit cache's for a few query rows (the
+    // scores and values widen them as they load); the span's blocks are read into cache first.
+    auto in_place = [&](const auto* k_cache, const auto* v_cache) {
+      using T = std::decay_t<decltype(*k_cache)>;
+      const T* kb[kSpanKeys];
+      const T* vb[kSpanKeys];
+      for (int64_t x = 0; x < nread; ++x) {
+        kb[x] = k_cache + first_row(b + x) * D;
+        vb[x] = v_cache + first_row(b + x) * D;
+      }
+      sink += warm(kb, vb, nread, block_floats);
+      for (int64_t kvh = 0; kvh < g.KVH; ++kvh) kv_head(kb, vb, kvh);
+    };
+    if (cache.type == CacheType::kF32) {
+      in_place(static_cast<const float*>(cache.k), static_cast<const float*>(cache.v));
+    } else if (direct && cache.type == CacheType::kF16) {
+      in_place(static_cast<const Half*>(cache.k), static_cast<const Half*>(cache.v));
+    } else if (direct && cache.type == CacheType::kBF16) {
+      in_place(static_cast<const BFloat16*>(cache.k), static_cast<const BFloat16*>(cache.v));
+    } else {   // int8 rows, or 16-bit ones for many query rows: converted into floats first
+      for (int64_t x = 0; x < nread; ++x) {
+        kblk[x] = kf + x * block_floats;
+        vblk[x] = vf + x * block_floats;
+        to_floats(cache.type, cache.k, first_row(b + x), bs * g.KVH, D, kf + x * block_floats);
+        to_floats(cache.type, cache.v, first_row(b + x), bs * g.KVH, D, vf + x * block_floats);
+      }
+      for (int64_t kvh = 0; kvh < g.KVH; ++kvh) kv_head(kblk, vblk, kvh);
     }
   }
   volatile float keep = sink;

@@ -36,6 +36,7 @@ inline float from_bits(uint32_t u) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+inline float to_float(float x) { return x; }
 inline float to_float(BFloat16 x) { return from_bits(static_cast<uint32_t>(x.bits) << 16); }
 // Exact: every binary16 value is a float32.  The exponent is rebiased 15 -> 127; subnormals
 // (exponent 0) are mantissa x 2^-24; exponent 31 is inf or nan.
