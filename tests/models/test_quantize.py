@@ -150,6 +150,19 @@ def test_smollm2_int8_quality_against_float32(smollm2, kv_dtype) -> None:
     assert abs(got["ppl_quantized"] / got["ppl_float"] - 1) <= 0.02
 
 
+@pytest.mark.parametrize("kv_dtype,agreement", [("float16", 0.995), ("bfloat16", 0.99)])
+def test_smollm2_16_bit_kv_cache_quality_against_float32(smollm2, kv_dtype, agreement) -> None:
+    """The same float32 weights over a float16 (bfloat16) KV cache, teacher-forced on the
+    shipped corpus: measured top-1 agreement 99.87% (99.61%), perplexity +0.01% (+0.02%)."""
+    from xlaserve.bench.quality import CORPUS, teacher_forced
+
+    ids = smollm2.tokenizer.encode(CORPUS.read_text())[:769]
+    got = teacher_forced((smollm2, smollm2), ids, window=256, kv_dtypes=(None, kv_dtype))
+    assert got["tokens"] == 768
+    assert got["top1_agreement"] >= agreement
+    assert abs(got["ppl_quantized"] / got["ppl_float"] - 1) <= 0.002
+
+
 # -- fp8 (e4m3) weights: a GPU option, run here through the jnp path (test-only override) ----
 
 TINY_FP8 = TINY.replace(quantization="fp8")
