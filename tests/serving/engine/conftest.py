@@ -129,3 +129,23 @@ def run_joining(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 1
             engine.add(request(f"r{i}", ids, max_tokens=max_tokens, ignore_eos=True))
         out = collect(engine)
     return out, compiles.count
+
+
+def assert_joining_matches_alone(engine: LLMEngine, model_config: ModelConfig,
+                                 engine_config: EngineConfig, seed: int) -> None:
+    """Warm the engine up, run six staggered prompts (run_joining): nothing compiles, and each
+    request gets the greedy tokens the same parameters, backend and KV cache dtype give it
+    alone (SequenceGenerator)."""
+    from xlaserve.serving.generate import SamplingOptions, SequenceGenerator
+
+    engine.runner.warmup()
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(3, 49152, n)) for n in (5, 21, 40, 9, 33, 2)]
+    out, compiled = run_joining(engine, prompts)
+    assert compiled == 0, f"{compiled} compilations after warm-up"
+    alone = SequenceGenerator(engine.runner.params, model_config, max_len=64,
+                              attention_backend=engine.runner.backend,
+                              kv_dtype=engine_config.kv_dtype)
+    for i, ids in enumerate(prompts):
+        want = list(alone.generate(ids, SamplingOptions(max_tokens=12), stop_ids=()))
+        assert tokens_of(out[f"r{i}"]) == want, i

@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.serving.engine.conftest import TINY_ENGINE_CONFIG, run_joining, tokens_of
+from tests.serving.engine.conftest import TINY_ENGINE_CONFIG, assert_joining_matches_alone
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import init_params
 from xlaserve.serving.engine import LLMEngine
-from xlaserve.serving.generate import SamplingOptions, SequenceGenerator
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.sharding.mesh import make_mesh
 
@@ -26,13 +25,4 @@ def test_int8_engine_compiles_nothing_after_warmup_and_matches_alone(model_dir,
     engine = LLMEngine(init_params(INT8, 3, scale=0.5), INT8, Tokenizer.load(model_dir),
                        make_mesh(), config)
     assert (engine.runner.kv.k.dtype == np.int8) == (kv_cache_dtype == "int8")
-    engine.runner.warmup()
-    rng = np.random.default_rng(0)
-    prompts = [list(rng.integers(3, 49152, n)) for n in (5, 21, 40, 9, 33, 2)]
-    out, compiled = run_joining(engine, prompts)
-    assert compiled == 0, f"{compiled} compilations after warm-up"
-    alone = SequenceGenerator(engine.runner.params, INT8, max_len=64,
-                              attention_backend=engine.runner.backend, kv_dtype=config.kv_dtype)
-    for i, ids in enumerate(prompts):
-        want = list(alone.generate(ids, SamplingOptions(max_tokens=12), stop_ids=()))
-        assert tokens_of(out[f"r{i}"]) == want, i
+    assert_joining_matches_alone(engine, INT8, config, seed=0)
