@@ -177,9 +177,10 @@ def ragged_attention(
     soft_cap = check_soft_cap(soft_cap)
     sliding_window = check_sliding_window(sliding_window)
     if not kernel_available(q.dtype) or k_flat.dtype not in KERNEL_CACHE_DTYPES:
-        reason = build.load_error() or f"it runs float32 on CPU over a float32, float16, " \
-                                        f"bfloat16 or int8 cache (got {q.dtype} over " \
-                                        f"{k_flat.dtype} on {jax.default_backend()})"
+        caches = ", ".join(d.name for d in KERNEL_CACHE_DTYPES)
+        reason = build.load_error() or f"it runs float32 on CPU over a {caches} cache (got " \
+                                        f"{q.dtype} over {k_flat.dtype} on " \
+                                        f"{jax.default_backend()})"
         raise ValueError(f"the CPU attention kernel is not available: {reason}")
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("xlaserve_paged_attention", out)(

@@ -251,7 +251,7 @@ void widen(const T* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
-// Reads the span's nb blocks of K and V (`floats` floats each) so that they are in cache when
+// Reads the span's nb blocks of K and V (`elements` values each) so that they are in cache when
 // the compute loops come: a tight run of loads streams from memory ~1.8x faster than the loads
 // the compute issues.  One load per 64-byte line, line i of every block before line i + 1 (2 nb
 // streams at once: 32 rows x 700 keys, 30 layers, 48.6 -> 46.8 ms against a block at a time),
@@ -306,8 +306,8 @@ void to_floats(CacheType type, const void* base, int64_t row, int64_t rows, int6
 // query head h, already initialised (and left unnormalised).  Blocks go span_blocks at a time
 // (a span of about kSpanKeys keys): one softmax step per query row and span, not per block
 // (with 16-key blocks the per-step max, sum and rescale cost more than the scores).  Per span
-// and kv head, its query rows (token i, group head g at row i * G + g) make two register-tiled
-// products: scores [rows, keys] = q [rows, D] @ keys^T, then acc [rows, D] += p @ values.
+// and kv head, its query rows (token i, group head g at row i * G + g) make two products:
+// scores [rows, keys] = q [rows, D] @ keys^T, then acc [rows, D] += p @ values.
 void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, const float* q,
                    const Cache& cache, const int32_t* positions, const int32_t* block_tables,
                    RowState* states) {
@@ -346,9 +346,6 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
     return (g.layer * g.N + block) * bs * g.KVH;
   };
   float sink = 0.0f;
-  // The span's blocks (at most kSpanKeys, of one key each): [bs, KVH, D] floats each.
-  const float* kblk[kSpanKeys];
-  const float* vblk[kSpanKeys];
   for (int64_t b = b0; b < b1; b += span_blocks) {
     const int64_t nb = std::min(span_blocks, b1 - b), n = nb * bs;   // this span: n keys
     // Token i sees keys [j0[i], j1[i]) of the span; tokens [i0, i1) see some, keys [0, keys).
@@ -424,13 +421,15 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
     };
     // Float32 blocks are read in place, and so are a 16-bit cache's for a few query rows (the
     // scores and values widen them as they load); the span's blocks are read into cache first.
+    // The span's blocks (at most kSpanKeys, of one key each): [bs, KVH, D] values each.
     auto in_place = [&](const auto* k_cache, const auto* v_cache) {
       using T = std::decay_t<decltype(*k_cache)>;
       const T* kb[kSpanKeys];
       const T* vb[kSpanKeys];
       for (int64_t x = 0; x < nread; ++x) {
-        kb[x] = k_cache + first_row(b + x) * D;
-        vb[x] = v_cache + first_row(b + x) * D;
+        const int64_t row = first_row(b + x);
+        kb[x] = k_cache + row * D;
+        vb[x] = v_cache + row * D;
       }
       sink += warm(kb, vb, nread, block_floats);
       for (int64_t kvh = 0; kvh < g.KVH; ++kvh) kv_head(kb, vb, kvh);
@@ -442,13 +441,16 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
     } else if (direct && cache.type == CacheType::kBF16) {
       in_place(static_cast<const BFloat16*>(cache.k), static_cast<const BFloat16*>(cache.v));
     } else {   // int8 rows, or 16-bit ones for many query rows: converted into floats first
+      const float* kb[kSpanKeys];
+      const float* vb[kSpanKeys];
       for (int64_t x = 0; x < nread; ++x) {
-        kblk[x] = kf + x * block_floats;
-        vblk[x] = vf + x * block_floats;
-        to_floats(cache.type, cache.k, first_row(b + x), bs * g.KVH, D, kf + x * block_floats);
-        to_floats(cache.type, cache.v, first_row(b + x), bs * g.KVH, D, vf + x * block_floats);
+        const int64_t row = first_row(b + x);
+        kb[x] = kf + x * block_floats;
+        vb[x] = vf + x * block_floats;
+        to_floats(cache.type, cache.k, row, bs * g.KVH, D, kf + x * block_floats);
+        to_floats(cache.type, cache.v, row, bs * g.KVH, D, vf + x * block_floats);
       }
-      for (int64_t kvh = 0; kvh < g.KVH; ++kvh) kv_head(kblk, vblk, kvh);
+      for (int64_t kvh = 0; kvh < g.KVH; ++kvh) kv_head(kb, vb, kvh);
     }
   }
   volatile float keep = sink;
