@@ -149,14 +149,21 @@ def _histograms(r: CollectorRegistry) -> dict[str, Histogram]:
             for attr, name, doc, buckets in specs}
 
 
-@dataclass(frozen=True)
-class ChoiceTimes:
-    """One engine request's times (time.monotonic() seconds) and its token count."""
+@dataclass
+class StreamTimes:
+    """When one engine request's tokens came (time.monotonic() seconds), for its metrics and
+    spans: a front-end choice's (http/state.py), a worker's Generate call's (grpc/server.py)."""
 
-    submitted: float     # sent to its engine
-    first: float         # its first token arrived (0: none did)
-    last: float          # its last token arrived
-    tokens: int
+    submitted: float = 0.0   # sent to its engine
+    first: float = 0.0       # its first token arrived (0: none did)
+    last: float = 0.0        # its last token arrived
+    tokens: int = 0
+
+    def saw(self, tokens: int, now: float) -> None:
+        """`tokens` more arrived at `now` (none: nothing changes)."""
+        if tokens:
+            self.first, self.last = self.first or now, now
+            self.tokens += tokens
 
 
 def _cumulative(counts: tuple[int, ...]) -> list[tuple[str, float]]:
@@ -201,7 +208,7 @@ class Metrics:
                                          "split: prompt KV bytes fetched", [MODEL], registry=r)
         r.register(_EngineCollector(engine_sources))
 
-    def observe_choice(self, model: str, t: ChoiceTimes) -> None:
+    def observe_choice(self, model: str, t: StreamTimes) -> None:
         """The per-choice stage times of one finished engine request that produced a token."""
         if not t.first:
             return

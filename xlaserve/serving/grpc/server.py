@@ -30,7 +30,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -55,6 +54,7 @@ from xlaserve.serving.grpc.convert import (
     stats_to_pb,
     tier_from_pb,
 )
+from xlaserve.serving.metrics import StreamTimes
 from xlaserve.serving.server_config import target_host
 from xlaserve.serving.telemetry import Telemetry
 from xlaserve.serving.types import EngineEvent, GenerationRequest, KVHandoff, Usage
@@ -125,7 +125,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if not engine.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is warming up")
         self.inflight.add(rid)
-        finished = False
+        finished, final = False, EngineEvent(rid)   # final: its finish event, once seen
         loop = asyncio.get_running_loop()
         times = StreamTimes(time.monotonic())
         span = self.telemetry.server_span("/" + SERVICE + "/Generate",
@@ -146,18 +146,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 speculative_from_pb(request), output_token_ids=tuple(request.output_token_ids),
                 continues=request.continues))
             async for ev in stream:
-                times.saw(ev)
+                times.saw(len(ev.token_ids), time.monotonic())
                 if handoff is not None:
                     ev, handoff = dataclasses.replace(ev, kv_handoff=handoff), None
                 yield event_to_pb(ev)
                 if ev.finished:
-                    finished = True
+                    finished, final = True, ev
                     break
         finally:
             self.telemetry.stages(span, times.submitted, times.first, times.last)
-            failed = "cancelled" if not finished else times.error
+            failed = "cancelled" if not finished else final.error
             self.telemetry.end(span, times.last or None, failed,
-                               {"xlaserve.finish_reason": times.finish_reason or "cancelled",
+                               {"xlaserve.finish_reason": final.finish_reason or "cancelled",
                                 "gen_ai.usage.output_tokens": times.tokens})
             # a task of its own: a second cancellation of this handler cannot leave the id
             # reserved for good
@@ -267,26 +267,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         out.kv_blocks_prefetched = self.kv_moved[e, "prefetched"]
         out.kv_blocks_fetched = self.kv_moved[e, "fetched"]
         return out
-
-
-@dataclass
-class StreamTimes:
-    """When a Generate stream's events came (time.monotonic()), for its spans."""
-
-    submitted: float
-    first: float = 0.0
-    last: float = 0.0
-    tokens: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-
-    def saw(self, ev: EngineEvent) -> None:
-        if ev.token_ids:
-            self.last = time.monotonic()
-            self.first = self.first or self.last
-            self.tokens += len(ev.token_ids)
-        self.finish_reason = ev.finish_reason or self.finish_reason
-        self.error = ev.error or self.error
 
 
 async def _watch_health(health: HealthServicer, engines: Mapping[str, AsyncEngine]) -> None:

@@ -35,7 +35,7 @@ from xlaserve.serving.gateway.auth import Authenticator, Principal
 from xlaserve.serving.gateway.ratelimit import RateLimiter, Reservation
 from xlaserve.serving.gateway.tracing import TraceContext
 from xlaserve.serving.http.protocol import ParsedRequest
-from xlaserve.serving.metrics import ChoiceTimes, EngineSource, Metrics
+from xlaserve.serving.metrics import EngineSource, Metrics, StreamTimes
 from xlaserve.serving.router import ModelGroup, Replica, Router
 from xlaserve.serving.server_config import ServerConfig
 from xlaserve.serving.telemetry import Telemetry
@@ -135,10 +135,8 @@ class Choice:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
-    submitted_at: float = 0.0   # time.monotonic() when sent to its (last) engine
+    times: StreamTimes = field(default_factory=StreamTimes)   # submitted: to its last engine
     span: Span | None = None    # its engine span, from its first submit
-    first_at: float = 0.0
-    last_at: float = 0.0
 
 
 class Generation:
@@ -190,7 +188,7 @@ class Generation:
             moves = len(self.group.replicas) - 1
             while True:
                 sent = False
-                c.submitted_at = time.monotonic()
+                c.times.submitted = time.monotonic()
                 self._engine_span(c)
                 events = c.replica.engine.submit(c.request)
                 try:
@@ -224,7 +222,7 @@ class Generation:
         """Start `c`'s engine span (on its first submit) and make it current in this task,
         so that a gRPC replica's call carries it to the worker."""
         if c.span is None:
-            c.span = self.state.telemetry.child(self.admitted.span, "engine", c.submitted_at, {
+            c.span = self.state.telemetry.child(self.admitted.span, "engine", c.times.submitted, {
                 "xlaserve.engine_request_id": c.request.request_id,
                 "xlaserve.prompt_tokens": len(c.request.prompt_token_ids),
                 "gen_ai.request.max_tokens": c.request.sampling.max_tokens})
@@ -236,8 +234,9 @@ class Generation:
         for c in self.choices:
             if c.span is None:
                 continue
-            tel.stages(c.span, c.submitted_at, c.first_at, c.last_at)
-            tel.end(c.span, c.last_at or end, c.error, {
+            t = c.times
+            tel.stages(c.span, t.submitted, t.first, t.last)
+            tel.end(c.span, t.last or end, c.error, {
                 "xlaserve.finish_reason": c.finish_reason or "abort",
                 "gen_ai.usage.output_tokens": len(c.token_ids)})
         tel.end(self.admitted.span, end, f"HTTP {self.status}" if self.status >= 500 else None,
@@ -270,15 +269,14 @@ class Generation:
         while pending:
             i, ev = await self._queue.get()
             c = self.choices[i]
-            now = time.monotonic()
+            t, now = c.times, time.monotonic()
             if ev.token_ids:
-                if not c.first_at:
-                    c.first_at = now
+                if t.first:
+                    m.observe(now - t.last)
+                else:
                     self.state.metrics.ttft.labels(self.group.id).observe(
                         now - self.admitted.arrived)
-                else:
-                    m.observe(now - c.last_at)
-                c.last_at = now
+                t.saw(len(ev.token_ids), now)
                 c.token_ids.extend(ev.token_ids)
             c.text += ev.text
             if ev.kv_handoff is not None:   # a split request's decode part began
@@ -303,7 +301,7 @@ class Generation:
 
     def _ttft(self) -> float | None:
         """Seconds from arrival to the first token of the earliest choice (None: no token)."""
-        firsts = [c.first_at for c in self.choices if c.first_at]
+        firsts = [c.times.first for c in self.choices if c.times.first]
         return round(min(firsts) - self.admitted.arrived, 4) if firsts else None
 
     def served_tokens(self) -> int:
@@ -343,8 +341,7 @@ class Generation:
                 grp.remember(c.replica, [*c.request.prompt_token_ids, *c.token_ids],
                              a.principal.tenant)
             st.metrics.requests.labels(grp.id, c.finish_reason or "abort").inc()
-            st.metrics.observe_choice(grp.id, ChoiceTimes(c.submitted_at, c.first_at,
-                                                          c.last_at, len(c.token_ids)))
+            st.metrics.observe_choice(grp.id, c.times)
         grp.admission.release(a.ticket)
         st.update_admission_gauges()
         st.generations.discard(self)
