@@ -129,12 +129,21 @@ def with_model_overrides(config: ServerConfig, *, mesh: str | None = None,
     return replace(config, models=tuple(one(m) for m in config.models))
 
 
-def load_config(path: str | Path) -> ServerConfig:
-    """Read a `.toml` or `.json` server config file."""
+def load_serve_config(path: str | Path) -> tuple[ServerConfig, Mapping[str, Any] | None]:
+    """A `.toml` or `.json` server config file, and its `[distributed]` table (None when
+    absent), which is the command's business rather than the ServerConfig's."""
     path = Path(path)
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     try:
-        return config_from_dict(data)
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        table = data.pop("distributed", None)
+        if table is not None and not isinstance(table, dict):
+            raise ValueError(f"[distributed]: expected a table, got {type(table).__name__}")
+        return config_from_dict(data), table
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def load_config(path: str | Path) -> ServerConfig:
+    """Read a `.toml` or `.json` server config file (a `[distributed]` table left aside)."""
+    return load_serve_config(path)[0]

@@ -75,8 +75,6 @@ class RemoteEngine:
         await self._poll_once()
         self._poller = asyncio.ensure_future(self._poll())
 
-    connect = start
-
     async def stop(self) -> None:
         if self._poller is not None:
             self._poller.cancel()

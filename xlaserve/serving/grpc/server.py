@@ -303,22 +303,3 @@ async def start_grpc_server(engines: Mapping[str, AsyncEngine], address: str,
     await server.start()
     watcher = asyncio.ensure_future(_watch_health(health, engines))
     return server, port, watcher
-
-
-async def serve_grpc(engines: Mapping[str, AsyncEngine], address: str,
-                     shutdown: asyncio.Event, auth: WorkerAuth = WorkerAuth(),
-                     telemetry: Telemetry | None = None,
-                     fetcher: PrefixFetcher | None = None, role: str = "both") -> None:
-    for e in engines.values():
-        start = getattr(e, "start", None)
-        if start is not None:
-            await start()
-    server, _, watcher = await start_grpc_server(engines, address, auth, telemetry, fetcher,
-                                                 role)
-    try:
-        await shutdown.wait()
-    finally:
-        watcher.cancel()
-        await server.stop(5)
-        if telemetry is not None:
-            telemetry.shutdown()

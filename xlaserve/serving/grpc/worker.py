@@ -10,12 +10,10 @@ import asyncio
 import signal
 import sys
 
-from xlaserve.serving.config_file import with_model_overrides
+from xlaserve.serving.config_file import load_serve_config, with_model_overrides
 from xlaserve.serving.disagg.transfer import PrefixFetcher
-from xlaserve.serving.engine_api import AsyncEngine
 from xlaserve.serving.grpc.auth import DEFAULT_TOKEN_ENV, WorkerAuth, channel_credentials
-from xlaserve.serving.grpc.server import ROLES, serve_grpc
-from xlaserve.serving.server_config import ServedModel
+from xlaserve.serving.grpc.server import ROLES, start_grpc_server
 from xlaserve.serving.telemetry import Telemetry
 
 
@@ -46,32 +44,9 @@ def _parse_worker_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _worker_auth(args: argparse.Namespace) -> WorkerAuth:
-    """The credentials the flags name, refusing a bind they do not make safe."""
-    auth = WorkerAuth.load(args.tls_cert, args.tls_key, args.tls_client_ca, args.token_env)
-    auth.check_bind(args.host)
-    return auth
-
-
-async def _build_engine(m: ServedModel) -> AsyncEngine:
-    """The one local engine replica of `m`, built by its `engine` factory."""
-    from xlaserve.serving.http.server import _import
-
-    if not m.engine:
-        raise ValueError(f"models[{m.id}] has no engine factory ('module:function')")
-    built = _import(m.engine)(m)
-    engine = await built if asyncio.iscoroutine(built) else built
-    if isinstance(engine, (list, tuple)):  # factories build one engine per mesh replica
-        if len(engine) != 1:
-            raise ValueError(f"models[{m.id}]: a worker serves one replica, the factory "
-                             f"built {len(engine)} (engine_args.mesh.replicas)")
-        engine = engine[0]
-    return engine
-
-
 async def _serve_worker(args: argparse.Namespace, auth: WorkerAuth) -> None:
     from xlaserve.serving.disagg.workers import refuse_multiprocess_worker
-    from xlaserve.serving.http.server import load_serve_config
+    from xlaserve.serving.http.server import local_engines
     from xlaserve.sharding.distributed import DistributedConfig
 
     loaded, table = load_serve_config(args.config)
@@ -82,16 +57,30 @@ async def _serve_worker(args: argparse.Namespace, auth: WorkerAuth) -> None:
     if not matches:
         raise ValueError(f"--model {args.model!r} not in {[m.id for m in config.models]}")
     m = matches[0]
-    engine = await _build_engine(m)
+    engines = await local_engines(m)
+    if len(engines) != 1:
+        raise ValueError(f"models[{m.id}]: a worker serves one replica, the factory "
+                         f"built {len(engines)} (engine_args.mesh.replicas)")
+    engine = engines[0]
     shutdown = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, shutdown.set)
+    start = getattr(engine, "start", None)
+    if start is not None:
+        await start()
     # a decode worker dials the prefill workers it fetches KV from as the front end dials
     # its workers: the [grpc] table of the same config
     fetcher = PrefixFetcher(lambda target: channel_credentials(config.grpc, target))
-    await serve_grpc({m.name: engine}, f"{args.host}:{args.port}", shutdown, auth,
-                     Telemetry.from_config(config.tracing), fetcher, args.role)
+    telemetry = Telemetry.from_config(config.tracing)
+    server, _, watcher = await start_grpc_server(
+        {m.name: engine}, f"{args.host}:{args.port}", auth, telemetry, fetcher, args.role)
+    try:
+        await shutdown.wait()
+    finally:
+        watcher.cancel()
+        await server.stop(5)
+        telemetry.shutdown()
 
 
 def worker_main(argv: list[str] | None = None) -> int:
@@ -101,7 +90,10 @@ def worker_main(argv: list[str] | None = None) -> int:
     gRPC.  Exit code 2 for a bad flag, config or credential."""
     args = _parse_worker_args(argv)
     try:
-        auth = _worker_auth(args)   # before the engine: that takes minutes to build
+        # the credentials the flags name, and a bind they make safe, before the engine
+        # (that takes minutes to build)
+        auth = WorkerAuth.load(args.tls_cert, args.tls_key, args.tls_client_ca, args.token_env)
+        auth.check_bind(args.host)
         asyncio.run(_serve_worker(args, auth))
     except (ValueError, FileNotFoundError) as e:
         print(f"xlaserve worker: error: {e}", file=sys.stderr)

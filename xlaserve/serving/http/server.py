@@ -33,20 +33,17 @@ import asyncio
 import dataclasses
 import importlib
 import inspect
-import json
 import logging
 import signal
 import sys
-import tomllib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HyperConfig
 
 from xlaserve.serving.admission import AdmissionController
-from xlaserve.serving.config_file import config_from_dict, with_model_overrides
+from xlaserve.serving.config_file import load_serve_config, with_model_overrides
 from xlaserve.serving.disagg.workers import (
     LAYOUT_SOURCE,
     SpawnedWorkers,
@@ -57,7 +54,7 @@ from xlaserve.serving.engine_api import AsyncEngine, ServiceCosts
 from xlaserve.serving.http.app import create_app
 from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.router import ModelGroup, Replica, Router
-from xlaserve.serving.server_config import ServerConfig, replica_target
+from xlaserve.serving.server_config import ServedModel, ServerConfig, replica_target
 from xlaserve.sharding.distributed import (
     DistributedConfig,
     PeerFailure,
@@ -99,6 +96,16 @@ def _import(path: str) -> Any:
         raise ValueError(f"engine={path!r} cannot be imported: {e}") from None
 
 
+async def local_engines(m: ServedModel) -> list[AsyncEngine]:
+    """What `m`'s factory (`engine`, "module:function") builds: one engine, or several (one
+    per mesh of engine_args.mesh)."""
+    if not m.engine:
+        raise ValueError(f"models[{m.id}]: a 'local' replica needs engine = 'module:function'")
+    built = _import(m.engine)(m)
+    built = await built if inspect.isawaitable(built) else built
+    return list(built) if isinstance(built, (list, tuple)) else [built]
+
+
 async def build_model_engines(config: ServerConfig) -> dict[str, list[AsyncEngine]]:
     from xlaserve.serving.disagg.engine import DisaggregatedEngine
     from xlaserve.serving.grpc.auth import channel_credentials
@@ -114,13 +121,7 @@ async def build_model_engines(config: ServerConfig) -> dict[str, list[AsyncEngin
         split: dict[str, list[RemoteEngine]] = {"prefill": [], "decode": []}
         for r in m.replicas:
             if r == "local":
-                if not m.engine:
-                    raise ValueError(f"models[{m.id}]: a 'local' replica needs engine = "
-                                     "'module:function'")
-                e = _import(m.engine)(m)
-                e = await e if inspect.isawaitable(e) else e
-                # a factory may return several replicas (one per mesh of engine_args.mesh)
-                reps.extend(e if isinstance(e, (list, tuple)) else [e])
+                reps.extend(await local_engines(m))
             else:
                 # started (channel opened) by the app in its serving loop
                 # a worker this server spawns is waited for while it loads the model
@@ -231,21 +232,6 @@ def follow_main(config: ServerConfig) -> int:
     print(f"xlaserve serve: process {pid}: process 0 closed the mesh after {calls} steps",
           file=sys.stderr, flush=True)
     return 0
-
-
-def load_serve_config(path: str | Path) -> tuple[ServerConfig, Mapping[str, Any] | None]:
-    """The server config file, and its `[distributed]` table (None when absent), which is
-    the command's business rather than the ServerConfig's."""
-    path = Path(path)
-    text = path.read_text()
-    try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-        table = data.pop("distributed", None)
-        if table is not None and not isinstance(table, dict):
-            raise ValueError(f"[distributed]: expected a table, got {type(table).__name__}")
-        return config_from_dict(data), table
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
 
 
 def serve_main(argv: list[str] | None = None) -> int:
