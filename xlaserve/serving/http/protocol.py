@@ -118,9 +118,12 @@ def _type_error(name: str, want: str, value: Any) -> ApiError:
                          f"{type(value).__name__} ({_show(value)})", name, "invalid_type")
 
 
+def invalid_value(param: str, why: str) -> ApiError:
+    return ApiError(400, f"Invalid value for '{param}': {why}", param, "invalid_value")
+
+
 def _value_error(name: str, why: str, value: Any) -> ApiError:
-    return ApiError(400, f"Invalid value for '{name}': {why} (got {_show(value)})", name,
-                    "invalid_value")
+    return invalid_value(name, f"{why} (got {_show(value)})")
 
 
 def _show(value: Any) -> str:

@@ -293,11 +293,10 @@ class Generation:
         prompt = sum(len(p) for p in self.admitted.prompts)
         completion = sum(c.usage.completion_tokens if c.usage else len(c.token_ids)
                          for c in self.choices)
-        firsts = {}
-        for c in self.choices:
-            if c.usage and c.prompt_index not in firsts:
-                firsts[c.prompt_index] = c.usage.cached_tokens
-        return Usage(prompt, completion, sum(firsts.values()))
+        # per prompt, the cached tokens of its first choice that reported usage
+        cached = {c.prompt_index: c.usage.cached_tokens for c in reversed(self.choices)
+                  if c.usage}
+        return Usage(prompt, completion, sum(cached.values()))
 
     def _ttft(self) -> float | None:
         """Seconds from arrival to the first token of the earliest choice (None: no token)."""

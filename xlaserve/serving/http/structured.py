@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from xlaserve.serving.http.protocol import ApiError
+from xlaserve.serving.http.protocol import ApiError, invalid_value
 from xlaserve.serving.structured.constraint import MAX_SPEC_CHARS, Constraint
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -25,44 +25,45 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 MAX_CHOICES = 1024
 
 
-def _bad(param: str, why: str) -> ApiError:
-    return ApiError(400, f"Invalid value for '{param}': {why}", param, "invalid_value")
-
-
 def _schema(v: Any, param: str) -> Constraint:
     if isinstance(v, str):
         try:
             v = json.loads(v)
         except json.JSONDecodeError as e:
-            raise _bad(param, f"not valid JSON ({e.msg})") from None
+            raise invalid_value(param, f"not valid JSON ({e.msg})") from None
     if not isinstance(v, (dict, bool)):
-        raise _bad(param, f"a JSON schema must be an object, got {type(v).__name__}")
+        raise invalid_value(param, f"a JSON schema must be an object, got {type(v).__name__}")
     c = Constraint.json_schema(v)
     if len(c.spec) > MAX_SPEC_CHARS:
-        raise _bad(param, f"the schema has {len(c.spec)} characters, over the limit of "
+        raise invalid_value(param, f"the schema has {len(c.spec)} characters, over the limit of "
                           f"{MAX_SPEC_CHARS}")
     return c
 
 
 def _text(v: Any, param: str, kind: str) -> Constraint:
     if not isinstance(v, str) or not v:
-        raise _bad(param, "must be a non-empty string")
+        raise invalid_value(param, "must be a non-empty string")
     if len(v) > MAX_SPEC_CHARS:
-        raise _bad(param, f"{len(v)} characters, over the limit of {MAX_SPEC_CHARS}")
+        raise invalid_value(param, f"{len(v)} characters, over the limit of {MAX_SPEC_CHARS}")
     return Constraint(kind, v)
 
 
 def _choice(v: Any, param: str) -> Constraint:
     if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
-        raise _bad(param, "must be a non-empty list of non-empty strings")
+        raise invalid_value(param, "must be a non-empty list of non-empty strings")
     if len(v) > MAX_CHOICES:
-        raise _bad(param, f"{len(v)} choices, over the limit of {MAX_CHOICES}")
+        raise invalid_value(param, f"{len(v)} choices, over the limit of {MAX_CHOICES}")
     return Constraint.choice(v)
+
+
+# how the value of structured_outputs.<key> (and of guided_<key>) reads
+_READERS = {"json": _schema, "regex": lambda v, p: _text(v, p, "regex"), "choice": _choice,
+            "grammar": lambda v, p: _text(v, p, "lark")}
 
 
 def _response_format(v: Any) -> Constraint | None:
     if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
-        raise _bad("response_format", "'type' must be one of 'text', 'json_object', "
+        raise invalid_value("response_format", "'type' must be one of 'text', 'json_object', "
                                       "'json_schema'")
     if v["type"] == "text":
         return None
@@ -70,7 +71,7 @@ def _response_format(v: Any) -> Constraint | None:
         return Constraint.json_schema(None)
     js = v.get("json_schema")
     if not isinstance(js, dict):
-        raise _bad("response_format.json_schema", "must be an object with a 'schema'")
+        raise invalid_value("response_format.json_schema", "must be an object with a 'schema'")
     if "schema" not in js:
         raise ApiError(400, "Missing required parameter: 'response_format.json_schema.schema'",
                        "response_format.json_schema.schema", "missing_required_parameter")
@@ -79,20 +80,18 @@ def _response_format(v: Any) -> Constraint | None:
 
 def _structured_outputs(v: Any) -> Constraint:
     if not isinstance(v, dict):
-        raise _bad("structured_outputs", "must be an object")
-    readers = {"json": _schema, "regex": lambda x, p: _text(x, p, "regex"),
-               "choice": _choice, "grammar": lambda x, p: _text(x, p, "lark")}
+        raise invalid_value("structured_outputs", "must be an object")
     set_ = [k for k in v if v[k] not in (None, False)]
-    unknown = [k for k in set_ if k not in readers and k != "json_object"]
+    unknown = [k for k in set_ if k not in _READERS and k != "json_object"]
     if unknown:
         raise ApiError(400, f"Unrecognized structured_outputs field(s): {unknown}",
                        "structured_outputs", "unrecognized_argument")
     if len(set_) != 1:
-        raise _bad("structured_outputs", f"exactly one constraint must be set, got {set_}")
+        raise invalid_value("structured_outputs", f"exactly one constraint must be set, got {set_}")
     k = set_[0]
     if k == "json_object":
         return Constraint.json_schema(None)
-    return readers[k](v[k], f"structured_outputs.{k}")
+    return _READERS[k](v[k], f"structured_outputs.{k}")
 
 
 def parse_constraint(body: dict[str, Any]) -> tuple[Constraint | None, str | None]:
@@ -103,19 +102,14 @@ def parse_constraint(body: dict[str, Any]) -> tuple[Constraint | None, str | Non
         v = body.get(name)
         if v is None:
             continue
-        param = name
         if name == "response_format":
             c = _response_format(v)
             param = f"{name}.json_schema.schema" if v.get("type") == "json_schema" else name
         elif name == "structured_outputs":
             c = _structured_outputs(v)
             param = f"{name}.{next(k for k in v if v[k] not in (None, False))}"
-        elif name == "guided_json":
-            c = _schema(v, name)
-        elif name == "guided_choice":
-            c = _choice(v, name)
-        else:
-            c = _text(v, name, "regex" if name == "guided_regex" else "lark")
+        else:   # guided_json, guided_regex, guided_choice, guided_grammar
+            c, param = _READERS[name.removeprefix("guided_")](v, name), name
         if c is not None:
             found.append((c, param))
     if len(found) > 1:

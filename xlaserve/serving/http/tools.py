@@ -25,12 +25,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from xlaserve.serving.http.protocol import ApiError
+from xlaserve.serving.http.protocol import invalid_value
 from xlaserve.serving.structured.constraint import Constraint
+from xlaserve.serving.structured.grammar import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SYSTEM = ("You are a function calling AI model. You are provided with function signatures "
           "within <tools></tools> XML tags. You may call one or more functions to assist with "
           "the user query. Don't make assumptions about what values to plug into functions. "
@@ -52,26 +52,22 @@ class Tools:
         return bool(self.functions) and self.choice != "none"
 
 
-def _bad(param: str, why: str) -> ApiError:
-    return ApiError(400, f"Invalid value for '{param}': {why}", param, "invalid_value")
-
-
 def _function(i: int, t: Any) -> dict[str, Any]:
     where = f"tools[{i}]"
     if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(
             t.get("function"), dict):
-        raise _bad(where, "must be {\"type\": \"function\", \"function\": {...}}")
+        raise invalid_value(where, "must be {\"type\": \"function\", \"function\": {...}}")
     f = t["function"]
     name = f.get("name")
     if not isinstance(name, str) or not name or len(name) > 64 or not all(
             c.isalnum() or c in "_-" for c in name):
-        raise _bad(f"{where}.function.name", "must be 1 to 64 letters, digits, '_' or '-'")
+        raise invalid_value(f"{where}.function.name", "must be 1 to 64 letters, digits, '_' or '-'")
     params = f.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict) or params.get("type", "object") != "object":
-        raise _bad(f"{where}.function.parameters", "must be a JSON schema of type 'object'")
+        raise invalid_value(f"{where}.function.parameters", "must be a JSON schema of type 'object'")
     desc = f.get("description", "")
     if not isinstance(desc, str):
-        raise _bad(f"{where}.function.description", "must be a string")
+        raise invalid_value(f"{where}.function.description", "must be a string")
     return {"name": name, "description": desc, "parameters": params}
 
 
@@ -80,17 +76,17 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
     raw, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise _bad("parallel_tool_calls", "must be a boolean")
+        raise invalid_value("parallel_tool_calls", "must be a boolean")
     if raw in (None, []):
         if choice not in (None, "none", "auto"):
-            raise _bad("tool_choice", "requires 'tools'")
+            raise invalid_value("tool_choice", "requires 'tools'")
         return None
     if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
-        raise _bad("tools", f"must be a list of at most {MAX_TOOLS} tools")
+        raise invalid_value("tools", f"must be a list of at most {MAX_TOOLS} tools")
     functions = tuple(_function(i, t) for i, t in enumerate(raw))
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
-        raise _bad("tools", f"function names must be unique: {names}")
+        raise invalid_value("tools", f"function names must be unique: {names}")
     named = None
     if choice is None:
         choice = "auto"
@@ -98,11 +94,11 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
         named = (choice.get("function") or {}).get("name") if choice.get(
             "type") == "function" else None
         if named not in names:
-            raise _bad("tool_choice", f"names no function of 'tools' ({named!r}; tools: "
+            raise invalid_value("tool_choice", f"names no function of 'tools' ({named!r}; tools: "
                                       f"{names})")
         choice = "function"
     elif choice not in ("none", "auto", "required"):
-        raise _bad("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": "
+        raise invalid_value("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": "
                                   "\"function\", \"function\": {\"name\": ...}}")
     return Tools(functions, choice, named, parallel is not False)
 
@@ -121,7 +117,7 @@ def tool_constraint(tools: Tools) -> Constraint | None:
     fs = [f for f in tools.functions if tools.choice == "required" or f["name"] == tools.function]
     schemas = [_call_schema(f) for f in fs]
     schema = {**(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}),
-              "x-guidance": JSON_STYLE}
+              "x-guidance": JSON_OPTIONS}
     call = f'"{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
     many = ' ("\\n" call)*' if tools.parallel else ""
     return Constraint("lark", f"start: call{many}\ncall: {call}\n")
