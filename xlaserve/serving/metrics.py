@@ -119,36 +119,6 @@ class _EngineCollector(Collector):
         return info
 
 
-def _histograms(r: CollectorRegistry) -> dict[str, Histogram]:
-    """The per-request histograms, labelled by model_name: attribute -> family."""
-    specs = (
-        ("ttft", "time_to_first_token_seconds", "Time from arrival to the first token",
-         _LATENCY),
-        ("itl", "inter_token_latency_seconds", "Time between consecutive output events of a "
-         "request", _ITL),
-        ("tpot", "request_time_per_output_token_seconds", "Per choice: (last token - first "
-         "token) / (tokens - 1)", _ITL),
-        ("e2e", "e2e_request_latency_seconds", "Time from arrival to the last token", _LATENCY),
-        ("queue_time", "request_queue_time_seconds", "Time spent in the admission queue",
-         _LATENCY),
-        ("prefill_time", "request_prefill_time_seconds", "Per choice: sent to the engine to "
-         "its first token (the engine's wait for a batch slot included)", _LATENCY),
-        ("decode_time", "request_decode_time_seconds", "Per choice: first token to last token",
-         _LATENCY),
-        ("inference_time", "request_inference_time_seconds", "Per choice: sent to the engine "
-         "to its last token", _LATENCY),
-        ("request_prompt_tokens", "request_prompt_tokens", "Prompt tokens of a request",
-         _TOKENS),
-        ("request_generation_tokens", "request_generation_tokens", "Tokens a request "
-         "generated (all its choices)", _TOKENS),
-        ("max_tokens_param", "request_params_max_tokens", "The max_tokens a request ran with",
-         _TOKENS),
-        ("n_param", "request_params_n", "The n of a request", _N),
-    )
-    return {attr: Histogram(f"xlaserve_{name}", doc, [MODEL], buckets=buckets, registry=r)
-            for attr, name, doc, buckets in specs}
-
-
 @dataclass
 class StreamTimes:
     """When one engine request's tokens came (time.monotonic() seconds), for its metrics and
@@ -180,13 +150,35 @@ class Metrics:
     def __init__(self, engine_sources: Callable[[], Iterable[EngineSource]] = lambda: ()):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        h = _histograms(r)
-        self.ttft, self.itl, self.tpot, self.e2e = h["ttft"], h["itl"], h["tpot"], h["e2e"]
-        self.queue_time, self.prefill_time = h["queue_time"], h["prefill_time"]
-        self.decode_time, self.inference_time = h["decode_time"], h["inference_time"]
-        self.request_prompt_tokens = h["request_prompt_tokens"]
-        self.request_generation_tokens = h["request_generation_tokens"]
-        self.max_tokens_param, self.n_param = h["max_tokens_param"], h["n_param"]
+
+        def per_model(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"xlaserve_{name}", doc, [MODEL], buckets=buckets, registry=r)
+
+        self.ttft = per_model("time_to_first_token_seconds",
+                              "Time from arrival to the first token", _LATENCY)
+        self.itl = per_model("inter_token_latency_seconds",
+                             "Time between consecutive output events of a request", _ITL)
+        self.tpot = per_model("request_time_per_output_token_seconds",
+                              "Per choice: (last token - first token) / (tokens - 1)", _ITL)
+        self.e2e = per_model("e2e_request_latency_seconds",
+                             "Time from arrival to the last token", _LATENCY)
+        self.queue_time = per_model("request_queue_time_seconds",
+                                    "Time spent in the admission queue", _LATENCY)
+        self.prefill_time = per_model("request_prefill_time_seconds", "Per choice: sent to the "
+                                      "engine to its first token (the engine's wait for a batch "
+                                      "slot included)", _LATENCY)
+        self.decode_time = per_model("request_decode_time_seconds",
+                                     "Per choice: first token to last token", _LATENCY)
+        self.inference_time = per_model("request_inference_time_seconds",
+                                        "Per choice: sent to the engine to its last token",
+                                        _LATENCY)
+        self.request_prompt_tokens = per_model("request_prompt_tokens",
+                                               "Prompt tokens of a request", _TOKENS)
+        self.request_generation_tokens = per_model(
+            "request_generation_tokens", "Tokens a request generated (all its choices)", _TOKENS)
+        self.max_tokens_param = per_model("request_params_max_tokens",
+                                          "The max_tokens a request ran with", _TOKENS)
+        self.n_param = per_model("request_params_n", "The n of a request", _N)
         self.requests = Counter("xlaserve_request_success", "Finished engine requests (choices)"
                                 ", by finish reason", [MODEL, "finished_reason"], registry=r)
         self.http = Counter("xlaserve_http_responses", "HTTP responses by status",
@@ -201,9 +193,9 @@ class Metrics:
                                        "Requests admitted to the engines", [MODEL], registry=r)
         self.admission_waiting = Gauge("xlaserve_admission_waiting",
                                        "Requests in the admission queue", [MODEL], registry=r)
-        self.kv_transfer_seconds = Histogram(
-            "xlaserve_kv_transfer_seconds", "Prefill/decode split: fetching one request's "
-            "prompt KV from its prefill worker", [MODEL], buckets=_LATENCY, registry=r)
+        self.kv_transfer_seconds = per_model("kv_transfer_seconds", "Prefill/decode split: "
+                                             "fetching one request's prompt KV from its "
+                                             "prefill worker", _LATENCY)
         self.kv_transfer_bytes = Counter("xlaserve_kv_transfer_bytes", "Prefill/decode "
                                          "split: prompt KV bytes fetched", [MODEL], registry=r)
         r.register(_EngineCollector(engine_sources))

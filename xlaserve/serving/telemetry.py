@@ -108,11 +108,10 @@ class Telemetry:
             yield span
 
     def child(self, parent: Span, name: str, start: float,
-              attributes: Mapping[str, Any] | None = None,
-              kind: SpanKind = SpanKind.INTERNAL) -> Span:
+              attributes: Mapping[str, Any] | None = None) -> Span:
         """A child span of `parent` started at monotonic time `start` (end it yourself)."""
         return self.tracer.start_span(name, context=trace.set_span_in_context(parent),
-                                      kind=kind, start_time=self.epoch_ns(start),
+                                      start_time=self.epoch_ns(start),
                                       attributes=dict(attributes or {}))
 
     def stages(self, parent: Span, submitted: float, first: float, last: float) -> None:
@@ -127,11 +126,11 @@ class Telemetry:
     # -- the gRPC hop --------------------------------------------------------------------------
 
     @staticmethod
-    def inject(metadata: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        """`metadata` plus the current span's traceparent (nothing when none is recording)."""
+    def inject() -> list[tuple[str, str]]:
+        """gRPC metadata carrying the current span's traceparent (none when none records)."""
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier)
-        return [*metadata, *carrier.items()]
+        return list(carrier.items())
 
     def server_span(self, method: str, metadata: Any, attributes: Mapping[str, Any]) -> Span:
         """A worker's span of one call, a child of the traceparent in its `metadata`."""
@@ -141,7 +140,6 @@ class Telemetry:
             f"{service}/{name}", context=_PROPAGATOR.extract(carrier), kind=SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name,
                         **attributes})
-
 
     def end(self, span: Span, end: float | None = None, error: str | None = None,
             attributes: Mapping[str, Any] | None = None) -> None:

@@ -229,13 +229,11 @@ def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> 
     """Copy an HF tokenizer (tokenizer.model or tokenizer.json) and distil its config."""
     import shutil
 
-    copied = False
-    for name in ("tokenizer.model", "tokenizer.json"):
-        if (src / name).exists():
-            shutil.copy2(src / name, folder / name)
-            copied = True
-    if not copied:
+    names = [n for n in ("tokenizer.model", "tokenizer.json") if (src / n).exists()]
+    if not names:
         raise FileNotFoundError(f"{src}: no tokenizer.model or tokenizer.json")
+    for name in names:
+        shutil.copy2(src / name, folder / name)
     hf_cfg: dict[str, Any] = {}
     if (src / TOKENIZER_CONFIG).exists():
         hf_cfg = json.loads((src / TOKENIZER_CONFIG).read_text())
@@ -245,12 +243,8 @@ def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> 
     def content(v: Any) -> str | None:
         return v.get("content") if isinstance(v, dict) else v
 
-    specials: list[str] = []
-    special_ids: list[int] = []
-    for i, v in (hf_cfg.get("added_tokens_decoder") or {}).items():
-        if v.get("special"):
-            specials.append(v["content"])
-            special_ids.append(int(i))
+    specials = {int(i): v["content"] for i, v in (hf_cfg.get("added_tokens_decoder") or {}).items()
+                if v.get("special")}   # id -> token
     kind_spm = (src / "tokenizer.model").exists()
     config = {
         "chat_template": hf_cfg.get("chat_template"),
@@ -259,7 +253,7 @@ def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> 
         "eos_token_ids": list(eos_token_ids),
         # sentencepiece Llama tokenizers add BOS unless told not to
         "add_bos_token": bool(hf_cfg.get("add_bos_token", kind_spm)),
-        "special_ids": special_ids,
-        "special_tokens": specials,
+        "special_ids": list(specials),
+        "special_tokens": list(specials.values()),
     }
     (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False))

@@ -39,9 +39,3 @@ class AuditLog:
         line = utf8_json(record, separators=(",", ":")) + b"\n"
         with self._lock:
             os.write(self._fd, line)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1

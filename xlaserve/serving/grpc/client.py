@@ -116,7 +116,7 @@ class RemoteEngine:
         message.kv_source = kv_source
         # the caller's current span (the front end's engine span) rides along: the worker's
         # span joins the request's trace (telemetry.py)
-        call = self._stub.Generate(message, metadata=Telemetry.inject([]))
+        call = self._stub.Generate(message, metadata=Telemetry.inject())
         finished = False
         try:
             async for m in call:

@@ -100,7 +100,10 @@ class GrammarCompiler:
 
         grammar = self.grammar(c)
         begin = time.perf_counter()
-        matcher = llguidance.LLMatcher(self._llt(), grammar, log_level=0, limits=_limits())
+        # llguidance's default limits, but no verbose errors (they would echo parser
+        # internals to clients)
+        limits = llguidance.LLParserLimits(verbose_errors=False)
+        matcher = llguidance.LLMatcher(self._llt(), grammar, log_level=0, limits=limits)
         if matcher.is_error():
             raise GrammarError(_reason(matcher.get_error()))
         state = GrammarState(matcher, self.vocab_size)
@@ -115,13 +118,6 @@ class GrammarCompiler:
         if not mask.any():
             raise GrammarError("the grammar allows no output at all")
         return state
-
-
-def _limits():  # -> llguidance.LLParserLimits
-    import llguidance
-
-    # llguidance's defaults, but no verbose errors (they would echo parser internals to clients)
-    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 def _reason(error: str) -> str:
@@ -159,7 +155,3 @@ class GrammarState:
     def done(self) -> bool:
         """Nothing but end-of-sequence may follow (or the state is in error)."""
         return bool(self._m.is_stopped() or self._m.is_error())
-
-    @property
-    def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
