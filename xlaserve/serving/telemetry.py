@@ -36,6 +36,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from xlaserve.serving.gateway.tracing import TraceContext
+from xlaserve.serving.metrics import StreamTimes
 from xlaserve.serving.server_config import TracingConfig
 
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -114,14 +115,18 @@ class Telemetry:
                                       start_time=self.epoch_ns(start),
                                       attributes=dict(attributes or {}))
 
-    def stages(self, parent: Span, submitted: float, first: float, last: float) -> None:
-        """prefill (submitted -> first token) and decode (first -> last token) under `parent`,
-        drawn afterwards from the event times; nothing when no token came."""
-        if not first:
-            return
-        parent.add_event("first_token", timestamp=self.epoch_ns(first))
-        for name, start, end in (("prefill", submitted, first), ("decode", first, last)):
-            self.child(parent, name, start).end(self.epoch_ns(end))
+    def end_stream(self, span: Span, t: StreamTimes, end: float | None, error: str | None,
+                   finish_reason: str) -> None:
+        """End the span of one engine request's stream at its last token (none came: at `end`,
+        None = now), under it prefill (submitted -> first token) and decode (first -> last
+        token) drawn afterwards from the event times `t` (nothing when no token came)."""
+        if t.first:
+            span.add_event("first_token", timestamp=self.epoch_ns(t.first))
+            for name, start, stop in (("prefill", t.submitted, t.first),
+                                      ("decode", t.first, t.last)):
+                self.child(span, name, start).end(self.epoch_ns(stop))
+        self.end(span, t.last or end, error, {"xlaserve.finish_reason": finish_reason,
+                                              "gen_ai.usage.output_tokens": t.tokens})
 
     # -- the gRPC hop --------------------------------------------------------------------------
 

@@ -154,11 +154,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     finished, final = True, ev
                     break
         finally:
-            self.telemetry.stages(span, times.submitted, times.first, times.last)
-            failed = "cancelled" if not finished else final.error
-            self.telemetry.end(span, times.last or None, failed,
-                               {"xlaserve.finish_reason": final.finish_reason or "cancelled",
-                                "gen_ai.usage.output_tokens": times.tokens})
+            self.telemetry.end_stream(span, times, None, final.error if finished else "cancelled",
+                                      final.finish_reason or "cancelled")
             # a task of its own: a second cancellation of this handler cannot leave the id
             # reserved for good
             end = asyncio.ensure_future(self._end(engine, rid, stream, finished))

@@ -115,14 +115,6 @@ class Admitted:
     ticket: Ticket                # its len(prompts) x n admission slots
     span: Span = INVALID_SPAN     # its request span (telemetry.py), ended by Generation.close
 
-    def audit_extra(self, include_prompts: bool) -> dict[str, Any]:
-        """What its audit line adds: the client's `user`, and the prompt if the log keeps it."""
-        extra: dict[str, Any] = {"user": self.parsed.user} if self.parsed.user else {}
-        if include_prompts:
-            extra["prompt"] = (self.parsed.messages if self.parsed.kind == "chat"
-                               else self.parsed.prompts)
-        return extra
-
 
 @dataclass
 class Choice:
@@ -234,11 +226,7 @@ class Generation:
         for c in self.choices:
             if c.span is None:
                 continue
-            t = c.times
-            tel.stages(c.span, t.submitted, t.first, t.last)
-            tel.end(c.span, t.last or end, c.error, {
-                "xlaserve.finish_reason": c.finish_reason or "abort",
-                "gen_ai.usage.output_tokens": len(c.token_ids)})
+            tel.end_stream(c.span, c.times, end, c.error, c.finish_reason or "abort")
         tel.end(self.admitted.span, end, f"HTTP {self.status}" if self.status >= 500 else None,
                 {"http.response.status_code": self.status,
                  "gen_ai.usage.input_tokens": usage.prompt_tokens,
@@ -324,15 +312,12 @@ class Generation:
         st, a, grp = self.state, self.admitted, self.group
         for t in self._tasks:
             t.cancel()
-        aborts = []
-        for c in self.choices:
-            if c.finish_reason is None:
-                c.finish_reason = "abort"
-                aborts.append(c.replica.engine.abort(c.request.request_id))
-        if aborts:
-            await asyncio.gather(*aborts, return_exceptions=True)
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        unfinished = [c for c in self.choices if c.finish_reason is None]
+        for c in unfinished:
+            c.finish_reason = "abort"
+        await asyncio.gather(*(c.replica.engine.abort(c.request.request_id) for c in unfinished),
+                             return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for c in self.choices:
             c.replica.inflight -= 1
             st.engine_ids.discard(c.request.request_id)
@@ -359,7 +344,9 @@ class Generation:
                 "queue_s": round(a.ticket.queue_time, 4), "ttft_s": self._ttft(),
                 "finish_reasons": [c.finish_reason for c in self.choices],
                 "replicas": [c.replica.name for c in self.choices],
-                **a.audit_extra(st.audit.include_prompts)})
+                **({"user": a.parsed.user} if a.parsed.user else {}),
+                # kept only if the log keeps prompts (AuditLog.write)
+                "prompt": a.parsed.messages if a.parsed.kind == "chat" else a.parsed.prompts})
         st.limiter.settle(a.reservation, self.served_tokens())
 
 
