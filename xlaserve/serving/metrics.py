@@ -24,6 +24,7 @@ the events the engines emit and the times they arrive; an engine behind gRPC is 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -139,11 +140,8 @@ class StreamTimes:
 def _cumulative(counts: tuple[int, ...]) -> list[tuple[str, float]]:
     """Histogram buckets of acceptance lengths 1 .. k + 1 from counts[a] of rows that
     accepted a drafts (length a + 1), cumulative, with +Inf."""
-    out, total = [], 0
-    for a, n in enumerate(counts):
-        total += n
-        out.append((str(a + 1), float(total)))
-    return out + [("+Inf", float(total))]
+    totals = itertools.accumulate(counts)
+    return [(str(a + 1), float(t)) for a, t in enumerate(totals)] + [("+Inf", float(sum(counts)))]
 
 
 class Metrics:

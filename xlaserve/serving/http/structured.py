@@ -35,8 +35,8 @@ def _schema(v: Any, param: str) -> Constraint:
         raise invalid_value(param, f"a JSON schema must be an object, got {type(v).__name__}")
     c = Constraint.json_schema(v)
     if len(c.spec) > MAX_SPEC_CHARS:
-        raise invalid_value(param, f"the schema has {len(c.spec)} characters, over the limit of "
-                          f"{MAX_SPEC_CHARS}")
+        raise invalid_value(param, f"the schema has {len(c.spec)} characters, over the limit "
+                                   f"of {MAX_SPEC_CHARS}")
     return c
 
 
@@ -64,7 +64,7 @@ _READERS = {"json": _schema, "regex": lambda v, p: _text(v, p, "regex"), "choice
 def _response_format(v: Any) -> Constraint | None:
     if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
         raise invalid_value("response_format", "'type' must be one of 'text', 'json_object', "
-                                      "'json_schema'")
+                                               "'json_schema'")
     if v["type"] == "text":
         return None
     if v["type"] == "json_object":

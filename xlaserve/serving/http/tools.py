@@ -64,7 +64,8 @@ def _function(i: int, t: Any) -> dict[str, Any]:
         raise invalid_value(f"{where}.function.name", "must be 1 to 64 letters, digits, '_' or '-'")
     params = f.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict) or params.get("type", "object") != "object":
-        raise invalid_value(f"{where}.function.parameters", "must be a JSON schema of type 'object'")
+        raise invalid_value(f"{where}.function.parameters",
+                            "must be a JSON schema of type 'object'")
     desc = f.get("description", "")
     if not isinstance(desc, str):
         raise invalid_value(f"{where}.function.description", "must be a string")
@@ -94,12 +95,12 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
         named = (choice.get("function") or {}).get("name") if choice.get(
             "type") == "function" else None
         if named not in names:
-            raise invalid_value("tool_choice", f"names no function of 'tools' ({named!r}; tools: "
-                                      f"{names})")
+            raise invalid_value("tool_choice", f"names no function of 'tools' ({named!r}; "
+                                               f"tools: {names})")
         choice = "function"
     elif choice not in ("none", "auto", "required"):
         raise invalid_value("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": "
-                                  "\"function\", \"function\": {\"name\": ...}}")
+                                           "\"function\", \"function\": {\"name\": ...}}")
     return Tools(functions, choice, named, parallel is not False)
 
 

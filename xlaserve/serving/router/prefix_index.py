@@ -49,12 +49,8 @@ class PrefixIndex:
     def matched(self, chain: Sequence[int], at_least: int = 1) -> int:
         """How many leading blocks of `chain` were added (at least `at_least` times): for a
         replica's index, the blocks it was sent and may still hold."""
-        n = 0
-        for h in chain:
-            if self._seen.get(h, 0) < at_least:
-                break
-            n += 1
-        return n
+        return next((i for i, h in enumerate(chain) if self._seen.get(h, 0) < at_least),
+                    len(chain))
 
     def shared(self, chain: Sequence[int], at_least: int) -> int:
         """For the group-wide index: how many leading blocks of `chain` were in `at_least`
