@@ -26,7 +26,6 @@ class Tokenizer:
     def __init__(self, backend: Any, kind: str, config: dict[str, Any]):
         self._backend = backend
         self.kind = kind  # "bpe" (tokenizers library) or "sentencepiece"
-        self.config = config
         self.chat_template: str | None = config.get("chat_template")
         self.add_bos: bool = bool(config.get("add_bos_token", False))
         self.bos_token: str | None = config.get("bos_token")

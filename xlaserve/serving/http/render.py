@@ -7,6 +7,7 @@ an exception (499 client gone, 500 otherwise)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -235,13 +236,8 @@ def chat_logprobs(entries: Sequence[TokenLogprob], tok: Tokenizer) -> dict[str, 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], tok: Tokenizer, offset: int
                         ) -> dict[str, Any]:
-    tokens, lps, tops, offsets = [], [], [], []
-    for e in entries:
-        t = token_text(tok, e.token_id)
-        tokens.append(t)
-        lps.append(e.logprob)
-        tops.append({token_text(tok, i): lp for i, lp in e.top})
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
-            "text_offset": offsets}
+    tokens = [token_text(tok, e.token_id) for e in entries]
+    starts = itertools.accumulate([offset, *map(len, tokens)])   # where each token's text starts
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(tok, i): lp for i, lp in e.top} for e in entries],
+            "text_offset": list(starts)[:len(tokens)]}

@@ -263,11 +263,10 @@ def serve_main(argv: list[str] | None = None) -> int:
                 return follow_main(config)
         with SpawnedWorkers(worker_commands(args.config, config)):
             asyncio.run(serve_async(config))
-    except PeerFailure as e:
+    except (PeerFailure, EngineFailure) as e:
         print(f"xlaserve serve: error: {e}", file=sys.stderr)
-        exit_now(1)   # not jax's exit handler: it would wait for the dead peer
-    except EngineFailure as e:
-        print(f"xlaserve serve: error: {e}", file=sys.stderr)
+        if isinstance(e, PeerFailure):
+            exit_now(1)   # not jax's exit handler: it would wait for the dead peer
         return 1
     except (ValueError, FileNotFoundError) as e:
         print(f"xlaserve serve: error: {e}", file=sys.stderr)
