@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.bench.roofline import median_seconds
 from xlaserve.checkpoints.store import load_config
 from xlaserve.models import llama
 from xlaserve.models.batch_metadata import decode_metadata
@@ -39,14 +39,13 @@ def step_ms(config, kv_dtype: str, rows: int, width: int = 48, kv_len: int = 512
     meta = llama.AttentionMetadata(*(jnp.asarray(a) for a in
                                      decode_metadata(tables, pos, block_size)))
     tokens = jnp.ones(rows, jnp.int32)
-    times = []
-    for i in range(repeats + 1):
-        t = time.perf_counter()
+
+    def one_step() -> None:
+        nonlocal kv
         logits, kv = step(params, kv, tokens, jnp.asarray(pos), meta)
         logits.block_until_ready()
-        if i:  # the first call compiles
-            times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
+
+    return 1e3 * median_seconds(one_step, repeats)   # after one untimed call (it compiles)
 
 
 def scatter_ms(dtype: str, tokens: int = 8, repeats: int = 5) -> float:
@@ -57,14 +56,13 @@ def scatter_ms(dtype: str, tokens: int = 8, repeats: int = 5) -> float:
     cache = jnp.zeros(shape, dtype)
     new = jnp.ones((tokens, *shape[1:]), dtype)
     at = jnp.arange(tokens, dtype=jnp.int32) * 37
-    times = []
-    for i in range(repeats + 1):
-        t = time.perf_counter()
+
+    def one_write() -> None:
+        nonlocal cache
         cache = write(cache, new, at)
         cache.block_until_ready()
-        if i:
-            times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
+
+    return 1e3 * median_seconds(one_write, repeats)
 
 
 def main() -> None:

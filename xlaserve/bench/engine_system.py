@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from xlaserve.bench.metrics import Clock, KVWasteMeter, RequestOutcome, SystemResult
-from xlaserve.bench.workload import Workload
+from xlaserve.bench.workload import BenchRequest, Workload
 from xlaserve.serving.engine import EngineConfig, LLMEngine
 from xlaserve.serving.loading import LoadedModel
 from xlaserve.serving.runner.compile_counter import CompileCounter
@@ -26,9 +26,10 @@ def new_engine(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
                      runner=runner, draft_runner=draft_runner)
 
 
-def _request(rid: str, prompt: tuple[int, ...], max_tokens: int) -> GenerationRequest:
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return GenerationRequest(rid, list(prompt), sampling)
+def greedy_request(r: BenchRequest) -> GenerationRequest:
+    """`r` as the engine takes it: greedy, exactly `r.num_output_tokens` tokens."""
+    sampling = SamplingParams(max_tokens=r.num_output_tokens, temperature=0.0, ignore_eos=True)
+    return GenerationRequest(r.request_id, list(r.prompt_token_ids), sampling)
 
 
 def warm_engine(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
@@ -38,7 +39,7 @@ def warm_engine(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
     runner.warmup()
     engine = new_engine(model, config, runner)
     first = workload.requests[-1]
-    engine.add(_request("warmup", first.prompt_token_ids[:8], 2))
+    engine.add(greedy_request(BenchRequest("warmup", first.prompt_token_ids[:8], 2)))
     for _ in engine.run_until_done():
         pass
     return time.perf_counter() - start
@@ -54,7 +55,7 @@ def run_engine(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
     with CompileCounter() as compiles:
         clock = Clock()
         for r in workload.requests:
-            engine.add(_request(r.request_id, r.prompt_token_ids, r.num_output_tokens))
+            engine.add(greedy_request(r))
         while engine.has_work():
             events = engine.step()
             now = clock()

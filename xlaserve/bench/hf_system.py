@@ -42,29 +42,6 @@ def load_hf_model(gguf: str | Path | None = None, hf_dir: str | Path | None = No
     return model.eval()
 
 
-class _StepTimes:
-    """A StoppingCriteria that never stops and records when each new token exists."""
-
-    def __init__(self, clock: Clock, batch: tuple[BenchRequest, ...], longest_prompt: int,
-                 meter: KVWasteMeter):
-        self.clock = clock
-        self.batch = batch
-        self.longest_prompt = longest_prompt
-        self.meter = meter
-        self.times: list[float] = []
-
-    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-        import torch
-
-        now = self.clock()
-        self.times.append(now)
-        k = len(self.times)
-        allocated = len(self.batch) * (self.longest_prompt + k - 1)
-        own = sum(len(r.prompt_token_ids) + min(k, r.num_output_tokens) - 1 for r in self.batch)
-        self.meter.sample(now, allocated, allocated - own)
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
 def _generate(model: Any, batch: tuple[BenchRequest, ...], pad_id: int, clock: Clock,
               meter: KVWasteMeter) -> tuple[Any, list[float], int]:
     import torch
@@ -78,11 +55,19 @@ def _generate(model: Any, batch: tuple[BenchRequest, ...], pad_id: int, clock: C
         p = len(r.prompt_token_ids)
         ids[i, longest_prompt - p:] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
         mask[i, longest_prompt - p:] = 1
-    recorder = _StepTimes(clock, batch, longest_prompt, meter)
+    times: list[float] = []
 
-    class Recorder(StoppingCriteria):
+    class StepTimes(StoppingCriteria):
+        """Never stops; records when each new token exists and samples the KV waste."""
+
         def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-            return recorder(input_ids, scores, **kwargs)
+            now = clock()
+            times.append(now)
+            k = len(times)
+            allocated = len(batch) * (longest_prompt + k - 1)
+            own = sum(len(r.prompt_token_ids) + min(k, r.num_output_tokens) - 1 for r in batch)
+            meter.sample(now, allocated, allocated - own)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     # EOS is an ordinary token here, as for the engine (`ignore_eos`): no EOS stops a row.
     # (`min_new_tokens` would instead forbid EOS and change the greedy text; None would fall
@@ -93,8 +78,8 @@ def _generate(model: Any, batch: tuple[BenchRequest, ...], pad_id: int, clock: C
     config.pad_token_id = pad_id
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                             stopping_criteria=StoppingCriteriaList([Recorder()]))
-    return out[:, longest_prompt:], recorder.times, longest
+                             stopping_criteria=StoppingCriteriaList([StepTimes()]))
+    return out[:, longest_prompt:], times, longest
 
 
 def run_hf(model: Any, workload: Workload, batch_size: int, pad_id: int = 0) -> SystemResult:

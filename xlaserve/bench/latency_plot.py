@@ -22,18 +22,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
-from xlaserve.bench.online_report import rate_label
+from xlaserve.bench.online_report import rate_label, record_values
 
 PANELS = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"))
 SIZE = (12, 7)   # inches at 100 dpi: 1200 x 700 pixels
-
-
-def record_values(summary: dict[str, Any], key: str) -> list[float]:
-    """One metric's values (seconds) over the rate's completed requests; ITL pools the gaps."""
-    ok = [r for r in summary["requests"] if r["status"] == "ok"]
-    if key == "itl_s":
-        return [g for r in ok for g in r["itl_s"]]
-    return [r[key] for r in ok if r[key] is not None]
 
 
 def plot_latency(summaries: list[dict[str, Any]], path: str | Path, title: str = "") -> None:

@@ -15,17 +15,15 @@
 
 from __future__ import annotations
 
-import json
 import platform
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import jax
 
 from xlaserve.bench.engine_system import run_engine, warm_engine
 from xlaserve.bench.metrics import SystemResult
-from xlaserve.bench.report import format_table
+from xlaserve.bench.report import format_table, write_json
 from xlaserve.bench.roofline import measure_roofline, param_bytes
 from xlaserve.bench.static_system import StaticBatcher
 from xlaserve.bench.workload import Workload, get_workload
@@ -98,7 +96,8 @@ def run_offline(model: LoadedModel, options: OfflineOptions,
         from xlaserve.bench.hf_system import load_hf_model, run_hf
 
         hf = load_hf_model(options.gguf, options.hf_dir)
-        results.append(run_hf(hf, workload, options.batch, pad_id=_pad_id(model)))
+        eos = model.config.eos_token_ids   # hf pads its batches with the first EOS id
+        results.append(run_hf(hf, workload, options.batch, pad_id=int(eos[0]) if eos else 0))
     for r in results:
         r.check(workload)
     roofline = None
@@ -153,11 +152,6 @@ def _breakdown(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
     return out
 
 
-def _pad_id(model: LoadedModel) -> int:
-    eos = model.config.eos_token_ids
-    return int(eos[0]) if eos else 0
-
-
 def describe(report: dict[str, Any]) -> str:
     w = report["workload"]
     title = (f"workload {w['name']} (seed {w['seed']}): {w['num_requests']} requests, prompts "
@@ -189,6 +183,5 @@ def offline_main(model_dir: str, options: OfflineOptions, json_out: str | None) 
     report = run_offline(model, options)
     print(describe(report), flush=True)
     if json_out:
-        Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {json_out}")
+        write_json(json_out, report)
     return 0

@@ -119,6 +119,15 @@ def summarize(rate: float, records: list[RequestRecord], wall_s: float, slo: SLO
     }
 
 
+def record_values(summary: dict[str, Any], key: str) -> list[float]:
+    """One metric's values (seconds) over the rate's completed requests (`summary`
+    with its per-request records under "requests", as JSON); ITL pools the gaps."""
+    ok = [r for r in summary["requests"] if r["status"] == "ok"]
+    if key == "itl_s":
+        return [g for r in ok for g in r["itl_s"]]
+    return [r[key] for r in ok if r[key] is not None]
+
+
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 

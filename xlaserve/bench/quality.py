@@ -14,7 +14,6 @@ one window at a time, so the figures differ only by the quantization.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.bench.report import write_json
 from xlaserve.models.batch_metadata import one_row_metadata
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import (
@@ -191,5 +191,5 @@ def quality_main(folder: str, quantization: str | None, window: int, max_tokens:
     report = quality_report(folder, quantization, window, max_tokens, backend, kv_cache_dtype)
     print(format_report(report))
     if json_out:
-        Path(json_out).write_text(json.dumps(asdict(report), indent=2) + "\n")
+        write_json(json_out, asdict(report), indent=2)
     return 0

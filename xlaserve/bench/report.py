@@ -1,9 +1,11 @@
 """The benchmark's one table, from the systems' summary dicts (metrics.SystemResult.summary),
-and the Markdown table every bench report prints."""
+the Markdown table every bench report prints, and the JSON file most of them write."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 COLUMNS = (
@@ -27,6 +29,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     body = [[("-" if row.get(key) is None else fmt.format(row[key]))
              for key, _, fmt in COLUMNS] for row in rows]
     return markdown_table(head, body)
+
+
+def write_json(path: str | Path, data: Any, indent: int = 1) -> None:
+    """A bench report's JSON file, and the line on stdout that names it."""
+    Path(path).write_text(json.dumps(data, indent=indent) + "\n")
+    print(f"wrote {path}")
 
 
 def markdown_table(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -86,7 +87,7 @@ def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, fl
     probe ("jax", and on CPU "numpy_threads")."""
     probes = {"jax": _jax_pass_bandwidth(nbytes, repeats)}
     if jax.default_backend() == "cpu":
-        probes["numpy_threads"] = _threaded_copy_bandwidth(nbytes, repeats)
+        probes["numpy_threads"] = threaded_copy_bandwidth(nbytes, repeats)
     return probes
 
 
@@ -96,15 +97,18 @@ def _jax_pass_bandwidth(nbytes: int, repeats: int) -> float:
     return 2 * x.nbytes / median_seconds(lambda: negate(x).block_until_ready(), repeats)
 
 
-def _threaded_copy_bandwidth(nbytes: int, repeats: int) -> float:
-    from concurrent.futures import ThreadPoolExecutor
+def thread_bounds(size: int) -> list[tuple[int, int]]:
+    """[start, end) of one slice of range(size) per core."""
+    parts = np.array_split(np.arange(size), os.cpu_count() or 1)
+    return [(int(p[0]), int(p[-1]) + 1) for p in parts if p.size]
 
+
+def threaded_copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes read + written per second by a numpy copy split over one thread per core."""
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
-    n = os.cpu_count() or 1
-    parts = np.array_split(np.arange(src.size), n)
-    bounds = [(int(p[0]), int(p[-1]) + 1) for p in parts if p.size]
-    with ThreadPoolExecutor(n) as pool:
+    bounds = thread_bounds(src.size)
+    with ThreadPoolExecutor(len(bounds)) as pool:
         def copy() -> None:
             list(pool.map(lambda b: np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]]), bounds))
 

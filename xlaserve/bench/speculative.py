@@ -11,17 +11,16 @@ interleaved (off, on, then on, off, ...) so the machine's drift hits both alike.
 
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
 
-from xlaserve.bench.engine_system import new_engine, warm_engine
+from xlaserve.bench.engine_system import greedy_request, new_engine, warm_engine
+from xlaserve.bench.report import write_json
 from xlaserve.bench.workload import BenchRequest, get_workload
 from xlaserve.serving.engine import EngineConfig
 from xlaserve.serving.engine.draft_model import make_draft_runner
@@ -31,7 +30,6 @@ from xlaserve.serving.runner.compile_counter import CompileCounter
 from xlaserve.serving.runner.draft_runner import DraftRunner
 from xlaserve.serving.runner.runner import ModelRunner
 from xlaserve.serving.speculative import SpecStats, SpeculativeConfig
-from xlaserve.serving.types import GenerationRequest, SamplingParams
 
 MODES = ("single", "batch")
 
@@ -48,12 +46,6 @@ class Run:
     compiles: int
 
 
-def _request(r: BenchRequest) -> GenerationRequest:
-    return GenerationRequest(r.request_id, list(r.prompt_token_ids),
-                             SamplingParams(max_tokens=r.num_output_tokens, temperature=0.0,
-                                            ignore_eos=True))
-
-
 def _drive(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
            batches: list[list[BenchRequest]], draft_runner: DraftRunner | None = None) -> Run:
     """Each batch of requests added at once and run to the end, one batch after the other,
@@ -66,7 +58,7 @@ def _drive(model: LoadedModel, config: EngineConfig, runner: ModelRunner,
         for batch in batches:
             first: dict[str, float] = {}
             for r in batch:
-                engine.add(_request(r))
+                engine.add(greedy_request(r))
             while engine.has_work():
                 events = engine.step()
                 now = time.perf_counter()
@@ -169,5 +161,5 @@ def spec_main(model_dir: str, workload: str, mode: str, rounds: int,
                             num_requests)
     print(format_spec_report(result))
     if json_out:
-        Path(json_out).write_text(json.dumps(result, indent=2))
+        write_json(json_out, result, indent=2)
     return 0

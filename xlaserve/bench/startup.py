@@ -12,16 +12,14 @@ each compile is checked to be a real backend compile, not a cache load).
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import jax
 
-from xlaserve.bench.report import markdown_table
+from xlaserve.bench.report import markdown_table, write_json
 from xlaserve.bench.roofline import param_bytes
 from xlaserve.checkpoints.store import load_config, load_params, save_params
 from xlaserve.models.config import ModelConfig
@@ -110,8 +108,5 @@ def startup_main(model_dir: str, variant_layers: int, chunk: int, width: int,
     rows = run_startup(model_dir, variant_layers, chunk, width)
     print(format_rows(rows), flush=True)
     if json_out:
-        report: dict[str, Any] = {"rows": [asdict(r) for r in rows],
-                                  "jax": jax.__version__}
-        Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {json_out}")
+        write_json(json_out, {"rows": [asdict(r) for r in rows], "jax": jax.__version__})
     return 0

@@ -28,19 +28,22 @@
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.bench.roofline import decode_read_bytes, median_seconds
+from xlaserve.bench.report import write_json
+from xlaserve.bench.roofline import (
+    decode_read_bytes,
+    median_seconds,
+    thread_bounds,
+    threaded_copy_bandwidth,
+)
 from xlaserve.models.config import ModelConfig
 from xlaserve.serving.runner.runner import ModelRunner, RowInput
 from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
@@ -51,27 +54,14 @@ from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
 def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, float]:
     """Bytes read per second by passes that only read, one thread per core (GB/s per probe)."""
     a = np.ones(nbytes // 4, np.float32)
-    n = os.cpu_count() or 1
-    bounds = [(int(p[0]), int(p[-1]) + 1) for p in np.array_split(np.arange(a.size), n)]
+    bounds = thread_bounds(a.size)
     probes = {"sum": lambda s, e: a[s:e].sum(), "dot": lambda s, e: np.dot(a[s:e], a[s:e])}
     out = {}
-    with ThreadPoolExecutor(n) as pool:
+    with ThreadPoolExecutor(len(bounds)) as pool:
         for name, f in probes.items():
             sec = median_seconds(lambda: list(pool.map(lambda b: f(*b), bounds)), repeats)
             out[f"read_{name}"] = a.nbytes / sec / 1e9
     return out
-
-
-def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
-    """Bytes read + written per second by a threaded numpy copy (GB/s)."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    n = os.cpu_count() or 1
-    bounds = [(int(p[0]), int(p[-1]) + 1) for p in np.array_split(np.arange(src.size), n)]
-    with ThreadPoolExecutor(n) as pool:
-        sec = median_seconds(lambda: list(pool.map(
-            lambda b: np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]]), bounds)), repeats)
-    return 2 * src.nbytes / sec / 1e9
 
 
 def gemm_rate(n: int = 1024, repeats: int = 5) -> dict[str, float]:
@@ -183,6 +173,12 @@ def decode_rows(runner: ModelRunner, rows: int, context: int, width: int) -> lis
             for r in range(rows)]
 
 
+def prefill_rows(runner: ModelRunner, tokens: int) -> list[RowInput]:
+    """One fresh row of `tokens` prompt tokens (nothing cached)."""
+    return [runner.row(tuple(range(1, tokens + 1)), 0,
+                       _table(runner, 0, -(-tokens // runner.block_size)), 1)]
+
+
 def time_rows(runner: ModelRunner, rows: list[RowInput], repeats: int) -> float:
     return median_seconds(lambda: runner.run(rows).out.tokens.block_until_ready(), repeats) * 1e3
 
@@ -236,27 +232,16 @@ def run_steps(runner: ModelRunner, *, decode_batches: list[int], width: int, con
               prefill_chunks: list[int], repeats: int = 10, breakdown: bool = False,
               probe_bytes: int = 512 << 20) -> StepReport:
     probes = read_bandwidth(probe_bytes)
-    copy = copy_bandwidth(probe_bytes)
+    copy = threaded_copy_bandwidth(probe_bytes) / 1e9   # GB/s
     gemm = gemm_rate()
     read_bw, gemm_best = max(probes.values()), max(gemm.values())
     probes.update(copy=copy, **{f"gemm_{k}": v for k, v in gemm.items()})
-    shapes = sorted({runner.bucket(decode_rows(runner, b, context, width))
-                     for b in decode_batches}
-                    | {runner.bucket([runner.row(tuple(range(1, n + 1)), 0,
-                                                 _table(runner, 0, -(-n // runner.block_size)),
-                                                 1)])
-                       for n in prefill_chunks})
-    runner.warmup(shapes)
+    steps = [("decode", decode_rows(runner, b, context, width), context) for b in decode_batches]
+    steps += [("prefill", prefill_rows(runner, n), 0) for n in prefill_chunks]
+    runner.warmup(sorted({runner.bucket(rows) for _, rows, _ in steps}))
     out = []
-    for b in decode_batches:
-        out.append(measure_step(runner, "decode", decode_rows(runner, b, context, width),
-                                context, repeats, probe_bytes, breakdown))
-        print(describe_row(out[-1]), flush=True)
-    for n in prefill_chunks:
-        rows = [runner.row(tuple(range(1, n + 1)), 0,
-                           _table(runner, 0, -(-n // runner.block_size)), 1)]
-        out.append(measure_step(runner, "prefill", rows, 0, repeats, probe_bytes,
-                                breakdown))
+    for kind, rows, cached in steps:
+        out.append(measure_step(runner, kind, rows, cached, repeats, probe_bytes, breakdown))
         print(describe_row(out[-1]), flush=True)
     return StepReport(runner.backend, read_bw, copy, gemm_best, probes, out)
 
@@ -331,6 +316,5 @@ def step_main(model_dir: str, *, decode_batches: list[int], width: int, context:
         for row, r in zip(data["rows"], report.rows):
             row.update(ratio=r.ratio, pipelined_ratio=r.pipelined_ratio, gflops=r.gflops)
         data["jax"] = jax.__version__
-        Path(json_out).write_text(json.dumps(data, indent=1) + "\n")
-        print(f"wrote {json_out}")
+        write_json(json_out, data)
     return 0

@@ -13,7 +13,6 @@ reads its inputs from memory): what they show is where the time goes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.bench.roofline import median_seconds
 from xlaserve.kernels.attention import attention
 from xlaserve.kernels.matmul import gated_matmul, layer_matmul
 from xlaserve.models.llama import (
@@ -33,13 +33,7 @@ from xlaserve.serving.runner.runner import ModelRunner, RowInput
 
 
 def _ms(fn: Callable[[], Any], repeats: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
+    return 1e3 * median_seconds(lambda: jax.block_until_ready(fn()), repeats)
 
 
 def part_times(runner: ModelRunner, rows: Sequence[RowInput], repeats: int) -> dict[str, float]:

@@ -20,6 +20,7 @@ import argparse
 import statistics
 import time
 
+from xlaserve.bench.engine_system import new_engine
 from xlaserve.bench.workload import WORKLOADS, Workload
 from xlaserve.serving.engine import LLMEngine
 from xlaserve.serving.loading import LoadedModel, load_model
@@ -36,8 +37,7 @@ def run(model: LoadedModel, engine: LLMEngine, workload: Workload, constrained: 
         ) -> tuple[float, int, int, str]:
     """(seconds, output tokens, compiles, host time per step) of one pass over the
     workload."""
-    fresh = LLMEngine(model.params, model.config, model.tokenizer, model.mesh, engine.config,
-                      runner=engine.runner)
+    fresh = new_engine(model, engine.config, engine.runner)
     c = Constraint.json_schema(SCHEMA)
     for i, r in enumerate(workload.requests):
         s = SamplingParams(max_tokens=r.num_output_tokens, temperature=0.0, ignore_eos=True,

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from xlaserve.bench.online_report import record_values
 from xlaserve.bench.stream_client import TextRequest
 
 METRICS = ("ttft", "tpot", "itl", "e2el", "client_queue_time")
@@ -143,13 +144,9 @@ def vllm_result(summary: dict[str, Any], requests: list[TextRequest], *, endpoin
         "max_output_tokens_per_s": peak_tokens, "max_concurrent_requests": peak_requests,
         "rtfx": 0.0,
     }
-    values = {
-        "ttft": [r["ttft_s"] for r in ok if r["ttft_s"] is not None],
-        "tpot": [r["tpot_s"] for r in ok if r["tpot_s"] is not None],
-        "itl": [g for r in ok for g in r["itl_s"]],
-        "e2el": [r["latency_s"] for r in ok],
-        "client_queue_time": [max(0.0, r["sent_s"] - r["scheduled_s"]) for r in ok],
-    }
+    values = {m: record_values(summary, key) for m, key in
+              (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("itl", "itl_s"), ("e2el", "latency_s"))}
+    values["client_queue_time"] = [max(0.0, r["sent_s"] - r["scheduled_s"]) for r in ok]
     for m in save.percentile_metrics:
         result.update(_stats(values[m], save.metric_percentiles, m))
     if max_concurrency is not None and "client_queue_time" not in save.percentile_metrics:

@@ -166,7 +166,6 @@ def params_from_hf(config: ModelConfig, get: GetTensor,
     """Build the stacked parameter pytree (host numpy, config dtype) from HF-named tensors.
     With `get_int8`, the matrices the source stores as int8 come back as {"q", "scale"}
     stacks without a float round trip (module docstring); everything else is float."""
-    dtype = np.dtype("float32") if config.dtype == "float32" else None
     shapes = param_shapes(config)
     int8 = _int8_matrices(config, get_int8, shapes) if get_int8 else {"layers": {}}
     if get_int8:
@@ -205,7 +204,7 @@ def params_from_hf(config: ModelConfig, get: GetTensor,
             else:
                 params["layers"][ours][i] = fetch(f"model.layers.{i}.{suffix}", shape, ours)
     params["layers"].update(int8["layers"])
-    return _cast(params, config.dtype) if dtype is None else params
+    return params if config.dtype == "float32" else _cast(params, config.dtype)
 
 
 def _cast(params: Params, dtype: str) -> Params:

@@ -118,11 +118,6 @@ def load_config(folder: str | Path, dtype: str | None = None,
     return config.replace(dtype=dtype) if dtype else config
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
-    """Where each parameter lives on `mesh`, by the model's own rules (sharding/layout.py)."""
-    return ShardLayout.create(config, mesh).param_shardings(mesh)
-
-
 def load_params(folder: str | Path, config: ModelConfig, mesh: Mesh) -> Params:
     """Restore the parameters of `folder` directly into their shardings on `mesh`.
 

@@ -28,13 +28,9 @@ from xlaserve.kernels.quantized import check_fp8_platform, is_fp8, quantize_fp8,
 SCALE_BYTES = 4
 
 
-def is_int8(dtype: Any) -> bool:
-    return jnp.dtype(dtype) == jnp.int8
-
-
 def has_row_scales(dtype: Any) -> bool:
     """Is a cache of `dtype` quantized rows (int8 or fp8) with their scales inside?"""
-    return is_int8(dtype) or is_fp8(dtype)
+    return jnp.dtype(dtype) == jnp.int8 or is_fp8(dtype)
 
 
 def row_width(head_dim: int, dtype: Any) -> int:

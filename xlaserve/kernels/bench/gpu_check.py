@@ -71,16 +71,30 @@ class Clock:
         return self.deadline - time.perf_counter()
 
 
-def bench(fn: Callable[[], Any], *, repeats: int, min_time_s: float = 0.0) -> float:
+def record(rows: list[dict[str, Any]], tag: str, clock: Clock, row: dict[str, Any],
+           fn: Callable[[], dict[str, Any]]) -> None:
+    """Append `row` to `rows` with what `fn()` measured (and print it), with the error `fn`
+    raised (a kernel that fails to build is a result, not a crash), or, past the time budget,
+    marked skipped without running `fn`."""
+    if clock.left() < 0:
+        rows.append(dict(row, status="skipped: time budget"))
+        return
+    try:
+        row.update(fn())
+    except Exception as e:
+        row["status"] = f"error: {type(e).__name__}: {str(e)[:200]}"
+    rows.append(row)
+    print(f"[{tag}] {row}", flush=True)
+
+
+def bench(fn: Callable[[], Any], *, repeats: int) -> float:
     """Median seconds of `fn()`, after two warm-up calls (compile + first run)."""
     import jax
 
     for _ in range(2):
         jax.block_until_ready(fn())
     times = []
-    start = time.perf_counter()
-    while len(times) < repeats or (time.perf_counter() - start < min_time_s and
-                                   len(times) < 10 * repeats):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
@@ -121,7 +135,9 @@ class AttnShape:
 
 
 def make_inputs(s: AttnShape, dtype, seed: int = 0) -> dict[str, Any]:
-    """Random cache (one layer) with shuffled block tables; every row is `context` long."""
+    """Random cache (one layer) with shuffled block tables; every row is `context` long.
+    Decode inputs also hold the per-layer [KVH, pages, page_size, D] copies JAX's kernel reads
+    (k_t, v_t): made here, outside the timing."""
     import jax
     import jax.numpy as jnp
 
@@ -134,10 +150,12 @@ def make_inputs(s: AttnShape, dtype, seed: int = 0) -> dict[str, Any]:
     v = jax.random.normal(kv, shape, jnp.float32).astype(dtype)
     q = jax.random.normal(kq, (s.batch, s.chunk, s.heads, s.head_dim), jnp.float32).astype(dtype)
     tables = (jax.random.permutation(kp, num_blocks - 1)[: s.batch * w] + 1).reshape(s.batch, w)
-    return dict(q=q, k=k, v=v, layer=jnp.int32(0), tables=tables.astype(jnp.int32),
-                q_lens=jnp.full((s.batch,), s.chunk, jnp.int32),
-                kv_lens=jnp.full((s.batch,), s.context, jnp.int32),
-                scale=s.head_dim ** -0.5)
+    x = dict(q=q, k=k, v=v, layer=jnp.int32(0), tables=tables.astype(jnp.int32),
+             q_lens=jnp.full((s.batch,), s.chunk, jnp.int32),
+             kv_lens=jnp.full((s.batch,), s.context, jnp.int32), scale=s.head_dim ** -0.5)
+    if s.chunk == 1:
+        x.update(k_t=jnp.transpose(k[0], (2, 0, 1, 3)), v_t=jnp.transpose(v[0], (2, 0, 1, 3)))
+    return x
 
 
 def rel_error(out, ref) -> float:
@@ -173,8 +191,8 @@ def decode_ops(interpret: bool, triton_ok: bool) -> dict[str, Callable[..., Any]
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
     def jax_kernel(x):
-        # JAX's kernel reads [KVH, pages, page_size, D] (made by `jax_kernel_layout`, outside
-        # the timing) and applies no softmax scale: q is scaled first.
+        # JAX's kernel reads [KVH, pages, page_size, D] (k_t, v_t: see `make_inputs`) and
+        # applies no softmax scale: q is scaled first.
         k, v = x["k_t"], x["v_t"]
         w = x["tables"].shape[1]
         k_splits = math.gcd(w, 16)
@@ -185,14 +203,6 @@ def decode_ops(interpret: bool, triton_ok: bool) -> dict[str, Callable[..., Any]
 
     ops["jax_pallas_gpu"] = jax_kernel
     return ops
-
-
-def jax_kernel_layout(x):
-    """JAX's kernel reads a per-layer [KVH, pages, page_size, D] copy: made outside the timing."""
-    import jax.numpy as jnp
-
-    return dict(x, k_t=jnp.transpose(x["k"][0], (2, 0, 1, 3)),
-                v_t=jnp.transpose(x["v"][0], (2, 0, 1, 3)))
 
 
 def prefill_ops(interpret: bool) -> dict[str, Callable[..., Any]]:
@@ -222,24 +232,17 @@ def check_correctness(shapes: list[AttnShape], interpret: bool, triton_ok: bool,
         for dtype in (jnp.float32, jnp.bfloat16):
             tol = 1e-5 if dtype == jnp.float32 else 1e-2
             x = make_inputs(s, dtype, seed=1)
-            if s.chunk == 1:
-                x = jax_kernel_layout(x)
             ops = decode_ops(interpret, triton_ok) if s.chunk == 1 else prefill_ops(interpret)
             expected = np.asarray(ops.pop("reference")(x), np.float32)
             if s.chunk == 1:
                 expected = expected.reshape(s.batch, s.heads, s.head_dim)
             for name, op in ops.items():
-                row = dict(shape=s.name, dtype=jnp.dtype(dtype).name, op=name, tolerance=tol)
-                if clock.left() < 0:
-                    rows.append(dict(row, status="skipped: time budget"))
-                    continue
-                try:
+                def check(op=op, x=x, expected=expected, tol=tol) -> dict[str, Any]:
                     err = rel_error(op(x), expected)
-                    row.update(rel_error=err, status="ok" if err < tol else "FAIL")
-                except Exception as e:  # a kernel that fails to build is a result, not a crash
-                    row.update(status=f"error: {type(e).__name__}: {str(e)[:200]}")
-                rows.append(row)
-                print(f"[check] {row}", flush=True)
+                    return dict(rel_error=err, status="ok" if err < tol else "FAIL")
+
+                record(rows, "check", clock, dict(shape=s.name, dtype=jnp.dtype(dtype).name,
+                                                  op=name, tolerance=tol), check)
     return rows
 
 
@@ -253,27 +256,21 @@ def time_kernels(shapes: list[AttnShape], interpret: bool, triton_ok: bool, band
             rows.append(dict(shape=s.name, status="skipped: time budget"))
             continue
         x = make_inputs(s, jnp.bfloat16)
-        if s.chunk == 1:
-            x = jax_kernel_layout(x)
         ops = decode_ops(interpret, triton_ok) if s.chunk == 1 else prefill_ops(interpret)
         nbytes = s.kv_bytes(2)
         for name, op in ops.items():
             row = dict(shape=s.name, dtype="bfloat16", op=name, kv_bytes=nbytes)
-            if clock.left() < 0:
-                rows.append(dict(row, status="skipped: time budget"))
-                continue
             if name == "reference" and nbytes > reference_limit_bytes:
                 # The reference gathers every row's K/V into a float32 copy first.
                 rows.append(dict(row, status="skipped: gather reference too large"))
                 continue
-            try:
+
+            def timed(op=op, x=x, nbytes=nbytes) -> dict[str, Any]:
                 sec = bench(lambda: op(x), repeats=repeats)
-                row.update(status="ok", ms=sec * 1e3, bytes_per_s=nbytes / sec,
-                           frac_copy_bw=nbytes / sec / bandwidth)
-            except Exception as e:
-                row.update(status=f"error: {type(e).__name__}: {str(e)[:200]}")
-            rows.append(row)
-            print(f"[time] {row}", flush=True)
+                return dict(status="ok", ms=sec * 1e3, bytes_per_s=nbytes / sec,
+                            frac_copy_bw=nbytes / sec / bandwidth)
+
+            record(rows, "time", clock, row, timed)
     return rows
 
 
@@ -286,7 +283,6 @@ def model_decode(label: str, batches: list[int], context: int, backends: list[st
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from xlaserve.models.batch_metadata import decode_metadata
     from xlaserve.models.llama import AttentionMetadata, forward, init_kv_cache, init_params
@@ -295,21 +291,14 @@ def model_decode(label: str, batches: list[int], context: int, backends: list[st
     bs = 16
     rows = []
     for b in batches:
-        w = -(-(context + 1) // bs)
-        tables = (1 + np.arange(b * w, dtype=np.int32)).reshape(b, w)
-        positions = np.full(b, context, np.int32)
-        meta = AttentionMetadata(*(jnp.asarray(a) for a in
-                                   decode_metadata(tables, positions, bs)))
-        tokens = jnp.zeros(b, jnp.int32)
-        positions = jnp.asarray(positions)
         for backend in backends:
-            row = dict(model=label, batch=b, context=context, backend=backend,
-                       variant=(f"{config.quantization or config.dtype} weights, "
-                                f"{kv_dtype or config.dtype} KV"))
-            if clock.left() < 0:
-                rows.append(dict(row, status="skipped: time budget"))
-                continue
-            try:
+            def timed(b: int = b, backend: str = backend) -> dict[str, Any]:
+                w = -(-(context + 1) // bs)
+                tables = (1 + np.arange(b * w, dtype=np.int32)).reshape(b, w)
+                positions = np.full(b, context, np.int32)
+                meta = AttentionMetadata(*(jnp.asarray(a) for a in
+                                           decode_metadata(tables, positions, bs)))
+                tokens, positions = jnp.zeros(b, jnp.int32), jnp.asarray(positions)
                 step = jax.jit(functools.partial(forward, config=config,
                                                  attention_backend=backend),
                                donate_argnames=("kv",))
@@ -321,11 +310,12 @@ def model_decode(label: str, batches: list[int], context: int, backends: list[st
                     return logits
 
                 sec = bench(run, repeats=repeats)
-                row.update(status="ok", ms_per_step=sec * 1e3, tokens_per_s=b / sec)
-            except Exception as e:
-                row.update(status=f"error: {type(e).__name__}: {str(e)[:200]}")
-            rows.append(row)
-            print(f"[model] {row}", flush=True)
+                return dict(status="ok", ms_per_step=sec * 1e3, tokens_per_s=b / sec)
+
+            record(rows, "model", clock,
+                   dict(model=label, batch=b, context=context, backend=backend,
+                        variant=(f"{config.quantization or config.dtype} weights, "
+                                 f"{kv_dtype or config.dtype} KV")), timed)
     return rows
 
 
@@ -341,17 +331,6 @@ def check_fp8(plan: dict[str, Any], interpret: bool, clock: Clock) -> list[dict[
     from xlaserve.kernels.quantized import QuantizedWeight, dequantize, quantize_fp8, quantize_int8
 
     rows: list[dict[str, Any]] = []
-
-    def record(row: dict[str, Any], fn: Callable[[], dict[str, Any]]) -> None:
-        if clock.left() < 0:
-            row["status"] = "skipped: time budget"
-        else:
-            try:
-                row.update(fn())
-            except Exception as e:   # a failure is a result, not a crash
-                row["status"] = f"error: {type(e).__name__}: {str(e)[:200]}"
-        rows.append(row)
-        print(f"[fp8] {row}", flush=True)
 
     rng = np.random.default_rng(3)
     for m, k, n in plan["fp8_matmul"]:
@@ -373,7 +352,8 @@ def check_fp8(plan: dict[str, Any], interpret: bool, clock: Clock) -> list[dict[
             return dict(rel_error=err, rel_error_dequantized=err_exact,
                         status="ok" if ok else "FAIL")
 
-        record(dict(check="fp8 weight matmul", shape=f"M={m} K={k} N={n}", tolerance=6e-2),
+        record(rows, "fp8", clock,
+               dict(check="fp8 weight matmul", shape=f"M={m} K={k} N={n}", tolerance=6e-2),
                matmul)
 
     for s in plan["check"][:1]:
@@ -395,7 +375,8 @@ def check_fp8(plan: dict[str, Any], interpret: bool, clock: Clock) -> list[dict[
             return dict(rel_error=err, rel_error_float_cache=rel_error(dense, float_cache),
                         status="ok" if err < 1e-4 else "FAIL")
 
-        record(dict(check="fp8 KV pallas decode", shape=s.name, tolerance=1e-4), kv)
+        record(rows, "fp8", clock,
+               dict(check="fp8 KV pallas decode", shape=s.name, tolerance=1e-4), kv)
 
     m, k, n = plan["fp8_timed"]
     w = rng.standard_normal((1, k, n)).astype(np.float32)
@@ -412,8 +393,8 @@ def check_fp8(plan: dict[str, Any], interpret: bool, clock: Clock) -> list[dict[
             return dict(status="ok", ms=sec * 1e3, weight_bytes=nbytes,
                         bytes_per_s=nbytes / sec)
 
-        record(dict(check="weight matmul time", shape=f"M={m} K={k} N={n}", format=name),
-               timed)
+        record(rows, "fp8", clock,
+               dict(check="weight matmul time", shape=f"M={m} K={k} N={n}", format=name), timed)
     return rows
 
 

@@ -86,10 +86,6 @@ def build_key(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
-def library_path(cxx: str) -> Path:
-    return cache_root() / build_key(cxx) / LIBRARY_NAME
-
-
 def build(force: bool = False) -> Path:
     """Compile the library into the cache (unless there already); returns its path.
     Raises RuntimeError with the compiler's output when the build fails."""
@@ -98,7 +94,7 @@ def build(force: bool = False) -> Path:
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    target = library_path(cxx)
+    target = cache_root() / build_key(cxx) / LIBRARY_NAME
     if target.exists() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -144,20 +140,6 @@ def load_error() -> str | None:
     return _load()[1]
 
 
-KERNEL_NAMES = ("matmul", "matmul_nt", "paged_attention", "top_k")   # stats.h's Kernel order
-
-
-def kernel_stats() -> dict[str, tuple[float, int]]:
-    """Seconds spent inside each native kernel and its calls, since load or the last reset
-    (stats.h); empty when the library is not loaded."""
-    lib = load()
-    if lib is None:
-        return {}
-    out = (ctypes.c_int64 * (2 * len(KERNEL_NAMES)))()
-    lib.xlaserve_kernel_stats(out)
-    return {name: (out[2 * i] / 1e9, int(out[2 * i + 1])) for i, name in enumerate(KERNEL_NAMES)}
-
-
 def matmul_tile_n() -> int:
     """Columns per packed weight panel (kernels/matmul.py): 3 vectors of the ISA built for."""
     lib = load()
@@ -165,12 +147,6 @@ def matmul_tile_n() -> int:
         raise RuntimeError(f"the CPU kernels are not available: {load_error()}")
     lib.xlaserve_matmul_tile_n.restype = ctypes.c_int64
     return int(lib.xlaserve_matmul_tile_n())
-
-
-def reset_kernel_stats() -> None:
-    lib = load()
-    if lib is not None:
-        lib.xlaserve_kernel_stats_reset()
 
 
 def main() -> int:
