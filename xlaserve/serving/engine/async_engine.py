@@ -62,6 +62,13 @@ class _Waiter:
     # done once the thread has let go of the request (delivered its final event, or failed it)
     released: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 
+    def send(self, event: EngineEvent) -> None:
+        """Hand `event` to the consumer's loop (from the engine thread); a final one lets go of
+        the request's id."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        if event.finished:
+            self.released.set_result(None)
+
 
 class ThreadedEngine:
     """An LLMEngine on its own thread, behind the AsyncEngine protocol (engine_api.py) that
@@ -109,9 +116,7 @@ class ThreadedEngine:
         def run() -> None:
             try:
                 if warmup:
-                    self.engine.runner.warmup()
-                    if self.engine.draft is not None:
-                        self.engine.draft.runner.warmup()
+                    self.engine.warmup()
                     self.engine.calibrate()
             except Exception as e:  # the engine can never serve: say so, and why
                 self._fail_for_good(e, f"warm-up failed ({type(e).__name__}: {e}); this "
@@ -180,13 +185,10 @@ class ThreadedEngine:
             return
         finished = False
         try:
-            while True:
+            while not finished:
                 event = await waiter.queue.get()
-                if event.finished:
-                    finished = True
+                finished = event.finished
                 yield event
-                if finished:
-                    return
         finally:
             if not finished:
                 self._post_abort(rid)
@@ -255,9 +257,7 @@ class ThreadedEngine:
             return
         if event.finished:
             self._waiters.pop(event.request_id, None)
-        waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, event)
-        if event.finished:
-            waiter.released.set_result(None)
+        waiter.send(event)
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -354,9 +354,7 @@ class ThreadedEngine:
             self._inbox.clear()
             failure_waiters, self._failure_waiters = self._failure_waiters, []
         for rid, waiter in waiters.items():
-            event = EngineEvent(rid, finish_reason="error", error=error)
-            waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, event)
-            waiter.released.set_result(None)
+            waiter.send(EngineEvent(rid, finish_reason="error", error=error))
         for loop, future in failure_waiters:
             loop.call_soon_threadsafe(_resolve, future, error)
         for _, call in calls:
@@ -380,13 +378,11 @@ def build(served: Any) -> list[ThreadedEngine]:
     from xlaserve.sharding.mesh import MeshConfig
 
     args = dict(served.engine_args)
-    mesh = args.pop("mesh", None)
+    mesh = args.get("mesh")
     if isinstance(mesh, str):
-        mesh = MeshConfig.load(mesh)
+        args["mesh"] = MeshConfig.load(mesh)
     elif isinstance(mesh, dict):
-        mesh = MeshConfig.from_dict(mesh)
-    if mesh is not None:
-        args["mesh"] = mesh
+        args["mesh"] = MeshConfig.from_dict(mesh)
     # On a multi-host job every process calls this with the same config: process 0 gets the
     # engine it serves with, the others the same runner, to `follow()`.
     engines = build_engines(served.path, EngineConfig.from_args(args), dtype=served.dtype,

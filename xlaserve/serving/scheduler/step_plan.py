@@ -81,10 +81,6 @@ class StepPlan:
         return sum(r.num_tokens for r in self.rows)
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.decodes) + len(self.prefills)
-
-    @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
