@@ -87,7 +87,7 @@ class ThreadedEngine:
         self._thread: threading.Thread | None = None
         self.last_error: str | None = None
         self.fatal_error: str | None = None   # set once it failed for good: no more work
-        self._failure_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]] = []
+        self._failed: concurrent.futures.Future[str] = concurrent.futures.Future()  # its error
         self._stats = self._snapshot()
 
     @property
@@ -149,13 +149,8 @@ class ThreadedEngine:
         """Returns (the error) once the engine failed for good: its warm-up failed, or a step
         on a multi-host mesh did (a single-host step failure is recovered from); never
         otherwise."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[str] = loop.create_future()
-        with self._wake:
-            if self.fatal_error is not None:
-                return self.fatal_error
-            self._failure_waiters.append((loop, future))
-        return await future
+        # shielded: a cancelled wait must not cancel the future other waiters share
+        return await asyncio.shield(asyncio.wrap_future(self._failed))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._wake:
@@ -352,18 +347,12 @@ class ThreadedEngine:
             waiters, self._waiters = dict(self._waiters), {}
             calls = [p for kind, p in self._inbox if kind == "call"]
             self._inbox.clear()
-            failure_waiters, self._failure_waiters = self._failure_waiters, []
         for rid, waiter in waiters.items():
             waiter.send(EngineEvent(rid, finish_reason="error", error=error))
-        for loop, future in failure_waiters:
-            loop.call_soon_threadsafe(_resolve, future, error)
+        if not self._failed.done():
+            self._failed.set_result(error)
         for _, call in calls:
             call.set_exception(RuntimeError(error))
-
-
-def _resolve(future: asyncio.Future[str], value: str) -> None:
-    if not future.done():
-        future.set_result(value)
 
 
 def build(served: Any) -> list[ThreadedEngine]:

@@ -48,7 +48,7 @@ from xlaserve.serving.engine.step_clock import HostTime, StepClock
 from xlaserve.serving.runner.draft_runner import DraftRunner
 from xlaserve.serving.runner.runner import CallResult, ModelRunner, RowInput, RowSampling
 from xlaserve.serving.runner.token_mask import all_allowed
-from xlaserve.serving.scheduler import Scheduler
+from xlaserve.serving.scheduler import RequestState, Scheduler
 from xlaserve.serving.scheduler.step_plan import ScheduledSeq, StepPlan
 from xlaserve.serving.structured.grammar import GrammarCompiler
 from xlaserve.serving.tokenizer import Tokenizer
@@ -245,9 +245,8 @@ class LLMEngine:
         constrained = any(r.sample and r.request_id in self._outputs
                           and self._outputs[r.request_id].grammar is not None
                           for r in plan.rows)
-        rows = [self._row(r) for r in plan.rows]
-        launched.call = self.runner.run(rows, lambda: self._masks(plan)) if constrained \
-            else self.runner.run(rows)
+        launched.call = self.runner.run([self._row(r) for r in plan.rows],
+                                        (lambda: self._masks(plan)) if constrained else None)
 
     def _masks(self, plan: StepPlan) -> np.ndarray:   # [rows, ceil(V/32)] int32
         """The allowed-token masks of `plan`'s rows, called by the runner once the plan's
@@ -371,10 +370,10 @@ class LLMEngine:
         if slot is not None:
             self._free_token_slots.append(slot)
 
-    def _final(self, request_id: str, reason: str, state) -> EngineEvent:
+    def _final(self, request_id: str, reason: str, state: RequestState | None) -> EngineEvent:
         out = self._outputs.pop(request_id)
         self._release_token_slot(request_id)
-        cached = state.num_cached_tokens if state is not None else 0
-        drafts = (state.num_draft_tokens, state.num_accepted_tokens) if state else (0, 0)
-        usage = Usage(len(out.request.prompt_token_ids), len(out.output_ids), cached, *drafts)
+        counts = () if state is None else (state.num_cached_tokens, state.num_draft_tokens,
+                                           state.num_accepted_tokens)
+        usage = Usage(len(out.request.prompt_token_ids), len(out.output_ids), *counts)
         return EngineEvent(request_id, finish_reason=reason, usage=usage)

@@ -118,7 +118,7 @@ class Scheduler:
     def add(self, request: GenerationRequest) -> None:
         """Queue a request; ValueError when it could never run."""
         rid = request.request_id
-        if rid in self._seqs or any(rid in plan.request_ids for plan in self._in_flight):
+        if rid in self._seqs or any(r.request_id == rid for p in self._in_flight for r in p.rows):
             raise ValueError(f"request_id {rid!r} is already in use")
         check_request(request, self.config, self.kv_cache.blocks_needed)
         seq = Sequence.from_request(request, self._next_seq_no)

@@ -85,10 +85,6 @@ class StepPlan:
         return not self.decodes and not self.prefills
 
     @property
-    def request_ids(self) -> frozenset[str]:
-        return frozenset(r.request_id for r in self.rows)
-
-    @property
     def num_samples(self) -> int:
         """Sample rows of the step: one per sampling row, 1 + k per verify row."""
         return sum(r.num_samples for r in self.rows)
