@@ -282,8 +282,7 @@ class LLMEngine:
             took = self.clock.fetched(launched.call.bucket, launched.launched_at, waited)
             if took is not None:
                 plan = launched.plan
-                self.costs.observe(len(plan.rows), sum(r.num_tokens for r in plan.prefills),
-                                   took)
+                self.costs.observe(len(plan.rows), sum(r.num_tokens for r in plan.prefills), took)
             t1 = time.perf_counter()
             sampled, logprobs = self._samples(launched, host)
         self.host_time.wait += t1 - t0
