@@ -245,8 +245,9 @@ class LLMEngine:
         constrained = any(r.sample and r.request_id in self._outputs
                           and self._outputs[r.request_id].grammar is not None
                           for r in plan.rows)
-        launched.call = self.runner.run([self._row(r) for r in plan.rows],
-                                        (lambda: self._masks(plan)) if constrained else None)
+        rows = [self._row(r) for r in plan.rows]
+        launched.call = self.runner.run(rows, lambda: self._masks(plan)) if constrained \
+            else self.runner.run(rows)
 
     def _masks(self, plan: StepPlan) -> np.ndarray:   # [rows, ceil(V/32)] int32
         """The allowed-token masks of `plan`'s rows, called by the runner once the plan's
