@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xlaserve.models.quantize import check_quantization
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # The sparse mixture-of-experts families (models/moe.py): every decoder layer's MLP is a routed
 # set of experts.
@@ -84,9 +86,7 @@ class ModelConfig:
                              f"{self.sliding_window!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in (None, "int8", "fp8"):
-            raise ValueError(f"ModelConfig.quantization must be None, 'int8' or 'fp8', got "
-                             f"{self.quantization!r}")
+        check_quantization(self.quantization, "ModelConfig.quantization")
         self._check_moe()
         if self.qk_norm_span not in ("head", "all"):
             raise ValueError(f"ModelConfig.qk_norm_span must be 'head' or 'all', got "

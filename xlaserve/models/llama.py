@@ -57,14 +57,6 @@ class KVCache(NamedTuple):
     k: jax.Array  # [L, N, bs, K, D] float, or [L, N, bs, K, D + 4] int8 (kernels/kv_quant.py)
     v: jax.Array  # the same
 
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[2]
-
 
 class AttentionMetadata(NamedTuple):
     """Which row each token of the flat batch belongs to and where its KV goes.

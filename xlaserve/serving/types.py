@@ -73,10 +73,6 @@ class SamplingParams:
         if len(self.stop) > 16 or any(not s for s in self.stop):
             bad("stop", "at most 16 non-empty strings")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
 
 @dataclass
 class GenerationRequest:

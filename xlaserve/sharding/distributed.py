@@ -121,12 +121,6 @@ class DistributedConfig:
             return None
         return cls.from_dict(merged)
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> DistributedConfig | None:
-        """From XLASERVE_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID (or jax's JAX_* names);
-        None when no coordinator is set (a single-process server)."""
-        return cls.resolve(None, env)
-
 
 # DistributedConfig field -> the XLASERVE_ variable that sets it (and jax's own name, if any).
 ENV_KEYS = {"coordinator_address": "COORDINATOR", "num_processes": "NUM_PROCESSES",
@@ -138,7 +132,7 @@ JAX_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS",
 def initialize(config: DistributedConfig | None = None) -> bool:
     """Join the distributed runtime (before any other jax call).  `config` None reads the
     environment; returns False (and does nothing) when neither names a coordinator."""
-    config = config or DistributedConfig.from_env()
+    config = config or DistributedConfig.resolve()
     if config is None:
         return False
     jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)

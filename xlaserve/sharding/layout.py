@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -56,10 +56,9 @@ class ShardLayout:
         """Validate the model against the mesh (ValueError with the numbers) and derive rules."""
         if isinstance(mesh, Mesh):
             _require_model_axes(mesh, model)
-        mesh_config = MeshConfig.of(mesh) if isinstance(mesh, Mesh) else mesh
-        mesh_config = MeshConfig(pipeline=mesh_config.pipeline, tensor=mesh_config.tensor,
-                                 expert=mesh_config.expert)
-        return cls(model, mesh_config, model_rules(model, mesh_config))
+            mesh = MeshConfig.of(mesh)
+        mesh = replace(mesh, replicas=1)   # one replica's layout
+        return cls(model, mesh, model_rules(model, mesh))
 
     # -- what each shard holds -------------------------------------------------------------------
 

@@ -88,10 +88,8 @@ def layout_report(model: ModelConfig, meshes: Sequence[MeshConfig], num_blocks: 
 
 
 def mesh_name(mesh: MeshConfig) -> str:
-    parts = [f"ep{mesh.expert}"] if mesh.expert > 1 else []
-    parts += [f"tp{mesh.tensor}"] if mesh.tensor > 1 else []
-    parts += [f"pp{mesh.pipeline}"] if mesh.pipeline > 1 else []
-    name = "x".join(parts) or "1 device"
+    sizes = (("ep", mesh.expert), ("tp", mesh.tensor), ("pp", mesh.pipeline))
+    name = "x".join(f"{axis}{n}" for axis, n in sizes if n > 1) or "1 device"
     return f"{mesh.replicas} x {name}" if mesh.replicas > 1 else name
 
 

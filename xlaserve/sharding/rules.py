@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from xlaserve.models.config import ModelConfig
 from xlaserve.sharding.mesh import MeshConfig
@@ -76,20 +76,9 @@ def model_rules(model: ModelConfig, mesh: MeshConfig) -> dict[str, str | None]:
     return rules
 
 
-def partition_spec(axes: LogicalAxes, rules: Mapping[str, str | None] = DEFAULT_RULES,
-                   mesh: Mesh | None = None) -> PartitionSpec:
-    """The PartitionSpec for an array annotated with logical `axes`.
-
-    Mesh axes of size one are dropped, so that the same annotation works on any mesh."""
-    out: list[str | None] = []
+def partition_spec(axes: LogicalAxes, rules: Mapping[str, str | None]) -> PartitionSpec:
+    """The PartitionSpec for an array annotated with logical `axes` (None: replicated)."""
     for name in axes:
-        if name is None:
-            out.append(None)
-            continue
-        if name not in rules:
+        if name is not None and name not in rules:
             raise ValueError(f"logical axis {name!r} has no sharding rule; known: {sorted(rules)}")
-        target = rules[name]
-        if target is not None and mesh is not None and target not in mesh.shape:
-            target = None
-        out.append(target)
-    return PartitionSpec(*out)
+    return PartitionSpec(*(None if name is None else rules[name] for name in axes))

@@ -116,12 +116,8 @@ class DisaggregatedEngine:
         s = w.stats()
         return max(s.num_running + s.num_waiting, self._parts[w.target])
 
-    def _pick(self, workers: Sequence[RemoteEngine], avoid: RemoteEngine | None = None
-              ) -> RemoteEngine | None:
-        live = [w for w in workers if w.ready and w is not avoid]
-        if not live:
-            return None
-        return min(live, key=self._load)
+    def _pick_decode(self) -> RemoteEngine | None:
+        return min((w for w in self.decode if w.ready), key=self._load, default=None)
 
     def _pick_prefill(self, hashes: Sequence[bytes], avoid: RemoteEngine | None
                       ) -> RemoteEngine | None:
@@ -163,7 +159,7 @@ class DisaggregatedEngine:
     def _start_prefetch(self, request: GenerationRequest, source: RemoteEngine) -> None:
         """Have a decode worker fetch the prompt's KV from `source` while it prefills (not
         for a prompt without a full block, nor one ending at its first token)."""
-        decode = self._pick(self.decode)
+        decode = self._pick_decode()
         if (decode is None or request.sampling.max_tokens <= 1
                 or len(request.prompt_token_ids) < self.block_size):
             return
@@ -226,7 +222,7 @@ class DisaggregatedEngine:
                       source: RemoteEngine) -> AsyncIterator[EngineEvent]:
         prefetch = self._prefetch.get(request.request_id)
         worker = (prefetch.worker if prefetch is not None and prefetch.worker.ready
-                  else self._pick(self.decode))
+                  else self._pick_decode())
         if worker is None:
             yield EngineEvent(request.request_id, finish_reason="error",
                               error="no decode worker is ready", usage=first.usage)

@@ -107,11 +107,10 @@ class PrefixFetcher:
         """The KV `target` still holds for `prompt`'s full blocks from `first_block` on, and
         what moving it took."""
         t0 = time.monotonic()
-        call = self.export(target, model, prompt, tenant, first_block)
-        messages = [m async for m in call]
-        kv = from_messages(messages)
-        nbytes = 0 if kv is None else kv.nbytes
-        return kv, KVHandoff(0 if kv is None else kv.num_blocks, nbytes, time.monotonic() - t0)
+        kv = from_messages([m async for m in self.export(target, model, prompt, tenant,
+                                                         first_block)])
+        moved = (0, 0) if kv is None else (kv.num_blocks, kv.nbytes)
+        return kv, KVHandoff(*moved, time.monotonic() - t0)
 
     def export(self, target: str, model: str, prompt: Sequence[int], tenant: str,
                first_block: int = 0, follow_request_id: str = ""

@@ -62,6 +62,13 @@ class _Waiter:
     # done once the thread has let go of the request (delivered its final event, or failed it)
     released: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 
+    def send(self, event: EngineEvent) -> None:
+        """Hand `event` to the consumer's loop (from the engine thread); a final one lets go of
+        the request's id."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        if event.finished:
+            self.released.set_result(None)
+
 
 class ThreadedEngine:
     """An LLMEngine on its own thread, behind the AsyncEngine protocol (engine_api.py) that
@@ -80,7 +87,7 @@ class ThreadedEngine:
         self._thread: threading.Thread | None = None
         self.last_error: str | None = None
         self.fatal_error: str | None = None   # set once it failed for good: no more work
-        self._failure_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]] = []
+        self._failed: concurrent.futures.Future[str] = concurrent.futures.Future()  # its error
         self._stats = self._snapshot()
 
     @property
@@ -109,9 +116,7 @@ class ThreadedEngine:
         def run() -> None:
             try:
                 if warmup:
-                    self.engine.runner.warmup()
-                    if self.engine.draft is not None:
-                        self.engine.draft.runner.warmup()
+                    self.engine.warmup()
                     self.engine.calibrate()
             except Exception as e:  # the engine can never serve: say so, and why
                 self._fail_for_good(e, f"warm-up failed ({type(e).__name__}: {e}); this "
@@ -144,13 +149,8 @@ class ThreadedEngine:
         """Returns (the error) once the engine failed for good: its warm-up failed, or a step
         on a multi-host mesh did (a single-host step failure is recovered from); never
         otherwise."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[str] = loop.create_future()
-        with self._wake:
-            if self.fatal_error is not None:
-                return self.fatal_error
-            self._failure_waiters.append((loop, future))
-        return await future
+        # shielded: a cancelled wait must not cancel the future other waiters share
+        return await asyncio.shield(asyncio.wrap_future(self._failed))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._wake:
@@ -180,13 +180,10 @@ class ThreadedEngine:
             return
         finished = False
         try:
-            while True:
+            while not finished:
                 event = await waiter.queue.get()
-                if event.finished:
-                    finished = True
+                finished = event.finished
                 yield event
-                if finished:
-                    return
         finally:
             if not finished:
                 self._post_abort(rid)
@@ -255,9 +252,7 @@ class ThreadedEngine:
             return
         if event.finished:
             self._waiters.pop(event.request_id, None)
-        waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, event)
-        if event.finished:
-            waiter.released.set_result(None)
+        waiter.send(event)
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -352,20 +347,12 @@ class ThreadedEngine:
             waiters, self._waiters = dict(self._waiters), {}
             calls = [p for kind, p in self._inbox if kind == "call"]
             self._inbox.clear()
-            failure_waiters, self._failure_waiters = self._failure_waiters, []
         for rid, waiter in waiters.items():
-            event = EngineEvent(rid, finish_reason="error", error=error)
-            waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, event)
-            waiter.released.set_result(None)
-        for loop, future in failure_waiters:
-            loop.call_soon_threadsafe(_resolve, future, error)
+            waiter.send(EngineEvent(rid, finish_reason="error", error=error))
+        if not self._failed.done():
+            self._failed.set_result(error)
         for _, call in calls:
             call.set_exception(RuntimeError(error))
-
-
-def _resolve(future: asyncio.Future[str], value: str) -> None:
-    if not future.done():
-        future.set_result(value)
 
 
 def build(served: Any) -> list[ThreadedEngine]:
@@ -380,13 +367,11 @@ def build(served: Any) -> list[ThreadedEngine]:
     from xlaserve.sharding.mesh import MeshConfig
 
     args = dict(served.engine_args)
-    mesh = args.pop("mesh", None)
+    mesh = args.get("mesh")
     if isinstance(mesh, str):
-        mesh = MeshConfig.load(mesh)
+        args["mesh"] = MeshConfig.load(mesh)
     elif isinstance(mesh, dict):
-        mesh = MeshConfig.from_dict(mesh)
-    if mesh is not None:
-        args["mesh"] = mesh
+        args["mesh"] = MeshConfig.from_dict(mesh)
     # On a multi-host job every process calls this with the same config: process 0 gets the
     # engine it serves with, the others the same runner, to `follow()`.
     engines = build_engines(served.path, EngineConfig.from_args(args), dtype=served.dtype,

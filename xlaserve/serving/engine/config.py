@@ -91,8 +91,19 @@ class EngineConfig:
 
     @property
     def bucket_plan(self) -> BucketPlan:
+        return self.buckets_for(self.scheduler.max_num_batched_tokens)
+
+    def buckets_for(self, max_tokens: int) -> BucketPlan:
+        """The bucket plan of a runner whose steps feed up to `max_tokens` tokens."""
         s = self.scheduler
         return BucketPlan.for_limits(
-            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-            max_width=s.max_model_len // s.block_size, min_tokens=self.min_step_tokens,
+            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=max_tokens,
+            max_width=s.max_blocks_per_seq, min_tokens=self.min_step_tokens,
             min_width=self.min_table_width, block_size=s.block_size)
+
+    def runner_args(self, buckets: BucketPlan | None = None) -> dict[str, Any]:
+        """ModelRunner's keyword arguments under this config (`buckets`: the bucket plan's)."""
+        s = self.scheduler
+        return {"num_blocks": s.num_kv_blocks, "block_size": s.block_size,
+                "max_num_seqs": s.max_num_seqs, "buckets": buckets or self.bucket_plan,
+                "attention_backend": self.attention_backend, "kv_dtype": self.kv_dtype}

@@ -58,12 +58,8 @@ def draft_bucket_plan(engine_config: EngineConfig) -> BucketPlan:
     row's first proposal call (1 + k tokens a row), whichever is more."""
     s, spec = engine_config.scheduler, engine_config.speculative
     assert spec is not None
-    tokens = max(s.max_prefill_chunk, s.max_num_seqs * (1 + spec.num_speculative_tokens))
-    return BucketPlan.for_limits(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=tokens,
-                                 max_width=s.max_model_len // s.block_size,
-                                 min_tokens=engine_config.min_step_tokens,
-                                 min_width=engine_config.min_table_width,
-                                 block_size=s.block_size)
+    return engine_config.buckets_for(
+        max(s.max_prefill_chunk, s.max_num_seqs * (1 + spec.num_speculative_tokens)))
 
 
 def make_draft_runner(params: Params, config: ModelConfig, mesh: Mesh,
@@ -73,12 +69,8 @@ def make_draft_runner(params: Params, config: ModelConfig, mesh: Mesh,
     if spec is None or spec.method != "draft":
         raise ValueError(f"a draft runner is for method 'draft', got speculative={spec!r}")
     d_params, d_config = draft_params(spec, params, config, mesh)
-    s = engine_config.scheduler
-    runner = DraftRunner(d_params, d_config, mesh, num_blocks=s.num_kv_blocks,
-                         block_size=s.block_size, max_num_seqs=s.max_num_seqs,
-                         buckets=draft_bucket_plan(engine_config),
-                         attention_backend=engine_config.attention_backend,
-                         kv_dtype=engine_config.kv_dtype)
+    runner = DraftRunner(d_params, d_config, mesh,
+                         **engine_config.runner_args(draft_bucket_plan(engine_config)))
     if not runner.is_leader or runner.channel is not None:
         raise ValueError("method 'draft' runs on one process (a multi-host mesh would need "
                          "its followers to follow the draft runner too)")

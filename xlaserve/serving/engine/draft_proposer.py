@@ -28,7 +28,7 @@ import numpy as np
 from xlaserve.serving.runner.draft_runner import DraftRunner
 from xlaserve.serving.runner.row_input import RowInput, RowSampling
 from xlaserve.serving.runner.runner import CallResult
-from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq, slot_mapping
+from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
 from xlaserve.serving.speculative import DraftQuery
 
 DRAFT_SALT = 0x64726674   # "drft": the draft's seeds are the request's, xor this
@@ -88,11 +88,8 @@ class DraftProposer:
                 n = min(len(q.token_ids) - tail - starts[i], budget)
                 if n < 1:
                     continue
-                ids = q.token_ids[starts[i]:starts[i] + n]
-                seq = ScheduledSeq(q.request_id, ids, starts[i], q.block_table,
-                                   slot_mapping(q.block_table, starts[i], n,
-                                                self.runner.block_size), sample=False)
-                rows.append(RowInput(seq, i + 1))
+                rows.append(self.runner.row(q.token_ids[starts[i]:starts[i] + n], starts[i],
+                                            q.block_table, i + 1, sample=False))
                 starts[i] += n
                 budget -= n
                 if budget < 1:
@@ -109,9 +106,6 @@ class DraftProposer:
             ids, first = q.token_ids[start:], start
         else:
             ids, first = (PENDING_TOKEN,), size - 1 + j
-        seq = ScheduledSeq(q.request_id, tuple(ids), first, q.block_table,
-                           slot_mapping(q.block_table, first, len(ids), self.runner.block_size),
-                           sample=True)
         s = self.sampling_of(q.request_id, size + j)
         s = replace(s, seed=(s.seed ^ DRAFT_SALT) & 0xFFFFFFFF, bias=None, logprobs=False)
-        return RowInput(seq, i + 1, s)
+        return self.runner.row(ids, first, q.block_table, i + 1, sampling=s)

@@ -48,7 +48,7 @@ from xlaserve.serving.engine.step_clock import HostTime, StepClock
 from xlaserve.serving.runner.draft_runner import DraftRunner
 from xlaserve.serving.runner.runner import CallResult, ModelRunner, RowInput, RowSampling
 from xlaserve.serving.runner.token_mask import all_allowed
-from xlaserve.serving.scheduler import Scheduler
+from xlaserve.serving.scheduler import RequestState, Scheduler
 from xlaserve.serving.scheduler.step_plan import ScheduledSeq, StepPlan
 from xlaserve.serving.structured.grammar import GrammarCompiler
 from xlaserve.serving.tokenizer import Tokenizer
@@ -79,15 +79,11 @@ class LLMEngine:
         if spec is not None and spec.method == "draft":
             self.draft = DraftProposer(
                 draft_runner or make_draft_runner(params, config, mesh, engine_config),
-                spec.num_speculative_tokens, self._draft_sampling)
+                spec.num_speculative_tokens, self._sampling)
         self.scheduler = Scheduler(engine_config.scheduler, spec, self.draft)
         s = engine_config.scheduler
         if runner is None:
-            runner = ModelRunner(params, config, mesh, num_blocks=s.num_kv_blocks,
-                                 block_size=s.block_size, max_num_seqs=s.max_num_seqs,
-                                 buckets=engine_config.bucket_plan,
-                                 attention_backend=engine_config.attention_backend,
-                                 kv_dtype=engine_config.kv_dtype)
+            runner = ModelRunner(params, config, mesh, **engine_config.runner_args())
         elif (runner.num_blocks < s.num_kv_blocks or runner.max_num_seqs < s.max_num_seqs
               or runner.block_size != s.block_size):
             raise ValueError(f"runner (blocks={runner.num_blocks}, seqs={runner.max_num_seqs}, "
@@ -110,8 +106,6 @@ class LLMEngine:
 
     def add(self, request: GenerationRequest) -> None:
         """Queue a request (ValueError when it can never run: bad ids, too long, ...)."""
-        if request.request_id in self._outputs:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
         vocab = self.model_config.vocab_size
         bad = [t for t in (*request.prompt_token_ids, *request.output_token_ids)
                if not 0 <= t < vocab]
@@ -137,6 +131,12 @@ class LLMEngine:
         state = self.scheduler.abort(request_id)
         self._ready.append(self._final(request_id, "abort", state))
         return True
+
+    def warmup(self) -> None:
+        """Compile every bucket of the runner (and of the draft model's runner)."""
+        self.runner.warmup()
+        if self.draft is not None:
+            self.draft.runner.warmup()
 
     def calibrate(self) -> None:
         """Measure the step costs admission projects from (before serving: see CostMeter)."""
@@ -225,22 +225,20 @@ class LLMEngine:
         return self._token_slots[request_id]
 
     def _row(self, row: ScheduledSeq) -> RowInput:
-        state = self._outputs[row.request_id]
-        sampling = self._sampling(state, row.sample_position) if row.sample else RowSampling()
+        sampling = (self._sampling(row.request_id, row.sample_position) if row.sample
+                    else RowSampling())
         q = self.draft.probs.pop(row.request_id, None) if self.draft and row.num_draft else None
         return RowInput(row, self._token_slot(row.request_id), sampling, q)
 
-    def _sampling(self, state: OutputState, position: int) -> RowSampling:
-        """How `state`'s request samples the token at `position` (its index among the output
-        keys the seeded draw)."""
+    def _sampling(self, request_id: str, position: int) -> RowSampling:
+        """How the request samples the token at `position` (its index among the output keys
+        the seeded draw)."""
+        state = self._outputs[request_id]
         s = state.request.sampling
         return RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                            min_p=s.min_p, seed=state.seed,
                            counter=position - len(state.request.prompt_token_ids),
                            bias=state.penalty_bias(), logprobs=s.logprobs is not None)
-
-    def _draft_sampling(self, request_id: str, position: int) -> RowSampling:
-        return self._sampling(self._outputs[request_id], position)
 
     def _launch(self, launched: _Launched) -> None:
         plan = launched.plan
@@ -285,8 +283,7 @@ class LLMEngine:
             took = self.clock.fetched(launched.call.bucket, launched.launched_at, waited)
             if took is not None:
                 plan = launched.plan
-                self.costs.observe(plan.num_seqs, sum(r.num_tokens for r in plan.prefills),
-                                   took)
+                self.costs.observe(len(plan.rows), sum(r.num_tokens for r in plan.prefills), took)
             t1 = time.perf_counter()
             sampled, logprobs = self._samples(launched, host)
         self.host_time.wait += t1 - t0
@@ -373,10 +370,10 @@ class LLMEngine:
         if slot is not None:
             self._free_token_slots.append(slot)
 
-    def _final(self, request_id: str, reason: str, state) -> EngineEvent:
+    def _final(self, request_id: str, reason: str, state: RequestState | None) -> EngineEvent:
         out = self._outputs.pop(request_id)
         self._release_token_slot(request_id)
-        cached = state.num_cached_tokens if state is not None else 0
-        drafts = (state.num_draft_tokens, state.num_accepted_tokens) if state else (0, 0)
-        usage = Usage(len(out.request.prompt_token_ids), len(out.output_ids), cached, *drafts)
+        counts = () if state is None else (state.num_cached_tokens, state.num_draft_tokens,
+                                           state.num_accepted_tokens)
+        usage = Usage(len(out.request.prompt_token_ids), len(out.output_ids), *counts)
         return EngineEvent(request_id, finish_reason=reason, usage=usage)

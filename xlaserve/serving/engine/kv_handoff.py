@@ -55,14 +55,8 @@ class PrefixKV:
 def cached_blocks(engine, token_ids: Sequence[int], tenant: str) -> list[int]:
     """The physical blocks this engine holds for the leading full blocks of `token_ids` under
     `tenant`'s salt, up to the first that is not cached (in use or cached free)."""
-    pool = engine.scheduler.kv_cache.pool
-    blocks = []
-    for h in prefix_block_hashes(token_ids, engine.scheduler.config.block_size, tenant):
-        block = pool.lookup(h)
-        if block is None:
-            break
-        blocks.append(block)
-    return blocks
+    hashes = prefix_block_hashes(token_ids, engine.scheduler.config.block_size, tenant)
+    return engine.scheduler.kv_cache.pool.lookup_chain(hashes)
 
 
 def export_prefix(engine, token_ids: Sequence[int], tenant: str, first_block: int = 0

@@ -75,13 +75,9 @@ def check_multihost_meshes(engine_config: EngineConfig, meshes: Sequence[Mesh]) 
 
 
 def make_runner(model: LoadedModel, engine_config: EngineConfig) -> ModelRunner:
-    return ModelRunner(model.params, model.config, model.mesh,
-                       num_blocks=engine_config.scheduler.num_kv_blocks,
-                       block_size=engine_config.scheduler.block_size,
-                       max_num_seqs=engine_config.scheduler.max_num_seqs,
-                       buckets=engine_config.bucket_plan,
-                       attention_backend=engine_config.attention_backend,
-                       kv_dtype=engine_config.kv_dtype)
+    """The runner an engine under `engine_config` builds for `model` (benchmarks drive it
+    alone)."""
+    return ModelRunner(model.params, model.config, model.mesh, **engine_config.runner_args())
 
 
 def build_engines(folder: str | Path, engine_config: EngineConfig, *, dtype: str | None = None,
@@ -93,12 +89,8 @@ def build_engines(folder: str | Path, engine_config: EngineConfig, *, dtype: str
     engines = []
     for model in load_replicas(folder, engine_config, dtype=dtype, quantization=quantization,
                                devices=devices):
-        runner = make_runner(model, engine_config)
+        engines.append(LLMEngine(model.params, model.config, model.tokenizer, model.mesh,
+                                 engine_config))
         if warmup:
-            runner.warmup()
-        engine = LLMEngine(model.params, model.config, model.tokenizer, model.mesh,
-                           engine_config, runner=runner)
-        if warmup and engine.draft is not None:
-            engine.draft.runner.warmup()
-        engines.append(engine)
+            engines[-1].warmup()
     return engines

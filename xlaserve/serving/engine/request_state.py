@@ -22,7 +22,6 @@ class OutputState:
     vocab_size: int
     output_ids: list[int] = field(default_factory=list)
     counts: dict[int, int] = field(default_factory=dict)
-    finished: bool = False
     grammar: GrammarState | None = None   # a constrained request's position in its grammar
 
     @classmethod

@@ -76,6 +76,15 @@ class BlockPool:
         """The block holding the prefix hashed `block_hash`, in use or cached free."""
         return self._hash_to_block.get(block_hash)
 
+    def lookup_chain(self, block_hashes: Iterable[bytes]) -> list[int]:
+        """The blocks holding a chain of hashed blocks, up to the first that is not cached."""
+        blocks = []
+        for h in block_hashes:
+            if h not in self._hash_to_block:
+                break
+            blocks.append(self._hash_to_block[h])
+        return blocks
+
     def eviction_order(self) -> tuple[int, ...]:
         """Cached free blocks, the next one `allocate` would evict first."""
         return tuple(self._evictable)
@@ -135,9 +144,7 @@ class BlockPool:
     def forget_hashes(self) -> None:
         """Drop every block hash (the device cache contents were lost): cached free blocks
         become plain free blocks and no later request can hit them."""
-        for block, h in enumerate(self._hashes):
-            if h is not None:
-                self._hashes[block] = None
+        self._hashes = [None] * self.num_blocks
         self._hash_to_block.clear()
         self._free.extend(self._evictable)
         self._evictable.clear()

@@ -124,12 +124,7 @@ class KVCacheManager:
         max_blocks = (len(token_ids) - 1) // self.block_size
         hashes = prefix_block_hashes(token_ids[:max_blocks * self.block_size],
                                      self.block_size, salt)
-        blocks: list[int] = []
-        for h in hashes:
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = self.pool.lookup_chain(hashes)
         miss = hashes[len(blocks)] if len(blocks) < len(hashes) else None
         return CachedPrefix(salt, tuple(blocks), tuple(hashes[:len(blocks)]),
                             len(blocks) * self.block_size, len(token_ids), miss)

@@ -53,12 +53,10 @@ class CallProfile:
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per bucket, the costliest first."""
-        out = []
-        for (r, t, w), b in sorted(self.buckets.items(), key=lambda kv: -kv[1].seconds):
-            out.append({"rows": r, "tokens": t, "width": w, "calls": b.calls,
-                        "seconds": b.seconds, "ms_per_call": 1e3 * b.seconds / b.calls,
-                        "real_tokens": b.real_tokens, "padded_tokens": b.padded_tokens})
-        return out
+        return [{"rows": r, "tokens": t, "width": w, "calls": b.calls, "seconds": b.seconds,
+                 "ms_per_call": 1e3 * b.seconds / b.calls, "real_tokens": b.real_tokens,
+                 "padded_tokens": b.padded_tokens}
+                for (r, t, w), b in sorted(self.buckets.items(), key=lambda kv: -kv[1].seconds)]
 
     def format(self, top: int = 12) -> str:
         return format_rows(self.rows(), top)

@@ -50,10 +50,3 @@ def filtered_probs(logits: jax.Array, s: SamplingArrays, allowed: jax.Array | No
     probs = w / jnp.sum(w, axis=-1, keepdims=True)
     one_hot = jax.nn.one_hot(_first_max(biased), v, dtype=jnp.float32)
     return jnp.where((s.temperature > 0)[:, None], probs, one_hot)
-
-
-def salted_uniforms(s: SamplingArrays, salt: int) -> jax.Array:
-    """[B] float32 in [0, 1): a stream per row beside the sampler's own draw (same seed and
-    token index, another `salt`), so accept / resample draws are independent of it."""
-    return jax.vmap(lambda seed, c: jax.random.uniform(jax.random.fold_in(
-        jax.random.fold_in(jax.random.key(seed), c), salt)))(s.seed, s.counter)

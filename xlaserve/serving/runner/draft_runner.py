@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from xlaserve.serving.runner.distribution import filtered_probs
-from xlaserve.serving.runner.host_step import ROW_FIELDS, HostStep
+from xlaserve.serving.runner.host_step import HostStep
 from xlaserve.serving.runner.runner import ModelRunner
 from xlaserve.serving.runner.step_functions import sampling_arrays
 
@@ -39,11 +39,8 @@ class DraftRunner(ModelRunner):
     def compile(self, shape: tuple[int, int, int]) -> Any:
         r = shape[0]
         if r not in self._compiled_probs:
-            v = self.config.vocab_size
-            self._compiled_probs[r] = self._jitted_probs.lower(
-                jax.ShapeDtypeStruct((r, v), jnp.float32, sharding=self.replicated),
-                jax.ShapeDtypeStruct((len(ROW_FIELDS), r), jnp.int32,
-                                     sharding=self.replicated)).compile()
+            _, (logits, _, rows, *_) = self._abstract_args(*shape)   # the sampler's
+            self._compiled_probs[r] = self._jitted_probs.lower(logits, rows).compile()
         return super().compile(shape)
 
     def _forwarded(self, host: HostStep, rows: jax.Array, logits: jax.Array) -> None:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from xlaserve.serving.runner.distribution import filtered_probs, salted_uniforms
+from xlaserve.serving.runner.distribution import filtered_probs
 from xlaserve.serving.runner.sampling import (
     SampleOutput,
     SamplingArrays,
     _inverse_cdf,
     map_rows,
+    uniforms,
 )
 
 ACCEPT_SALT = 0x61636370     # "accp": the acceptance uniform's stream
@@ -65,10 +66,10 @@ def _resolve(logits: jax.Array, s: SamplingArrays, allowed: jax.Array | None,
     d = jnp.maximum(draft_token, 0)[:, None]                            # [1, 1]
     p_d = jnp.take_along_axis(p, d, axis=-1)[:, 0]
     q_d = jnp.take_along_axis(draft_probs, d, axis=-1)[:, 0]
-    accept = salted_uniforms(s, ACCEPT_SALT) * q_d < p_d
+    accept = uniforms(s, ACCEPT_SALT) * q_d < p_d
     residual = jnp.maximum(p - draft_probs, 0.0)
     residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p)
-    redrawn = _inverse_cdf(residual, salted_uniforms(s, RESIDUAL_SALT))
+    redrawn = _inverse_cdf(residual, uniforms(s, RESIDUAL_SALT))
     tokens = jnp.where(accept, draft_token, redrawn).astype(jnp.int32)
     lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)
     return tokens[0], lp[0, 0]

@@ -14,7 +14,6 @@ spread over several processes is refused (ValueError): this process holds only i
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -35,14 +34,8 @@ def _padded_ids(block_ids: Sequence[int]) -> np.ndarray:
     return ids
 
 
-@functools.cache
-def _gather() -> jax.stages.Wrapped:
-    return jax.jit(lambda k, v, ids: (k[:, ids], v[:, ids]))
-
-
-@functools.cache
-def _scatter() -> jax.stages.Wrapped:
-    return jax.jit(lambda k, v, ids, nk, nv: (k.at[:, ids].set(nk), v.at[:, ids].set(nv)),
+_gather = jax.jit(lambda k, v, ids: (k[:, ids], v[:, ids]))
+_scatter = jax.jit(lambda k, v, ids, nk, nv: (k.at[:, ids].set(nk), v.at[:, ids].set(nv)),
                    donate_argnums=(0, 1))
 
 
@@ -60,7 +53,7 @@ def gather_blocks(kv: KVCache, block_ids: Sequence[int]) -> tuple[np.ndarray, np
     if n == 0:   # no device work: a follow's poll must not wait for the step in flight
         empty = np.zeros((kv.k.shape[0], 0, *kv.k.shape[2:]), kv.k.dtype)
         return empty, empty.copy()
-    k, v = _gather()(kv.k, kv.v, _padded_ids(block_ids))
+    k, v = _gather(kv.k, kv.v, _padded_ids(block_ids))
     return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
 
 
@@ -80,5 +73,5 @@ def scatter_blocks(kv: KVCache, block_ids: Sequence[int], k: np.ndarray,
         raise ValueError(f"block ids must be distinct and not the null block: {list(block_ids)}")
     ids = _padded_ids(block_ids)
     pad = [(0, 0), (0, len(ids) - n)] + [(0, 0)] * (k.ndim - 2)
-    nk, nv = _scatter()(kv.k, kv.v, ids, np.pad(k, pad), np.pad(v, pad))
+    nk, nv = _scatter(kv.k, kv.v, ids, np.pad(k, pad), np.pad(v, pad))
     return KVCache(nk, nv)

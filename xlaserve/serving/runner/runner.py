@@ -76,12 +76,11 @@ log = logging.getLogger(__name__)
 def log_backend(requested: str, chosen: str, platform: str, dtype: str) -> None:
     """Say at start-up which kernels serve, and why the CPU kernels do not when `auto` wanted
     them (once per runner: an engine builds one)."""
-    why = ""
     if requested == "auto" and platform == "cpu" and chosen != "cpu":
         from xlaserve.kernels.cpu import build
 
-        why = f" (the CPU kernels are not available: {build.load_error()})"
-        log.warning("attention backend: %s on %s, dtype %s%s", chosen, platform, dtype, why)
+        log.warning("attention backend: %s on %s, dtype %s (the CPU kernels are not available: "
+                    "%s)", chosen, platform, dtype, build.load_error())
         return
     log.info("attention backend: %s on %s, dtype %s (requested %s)", chosen, platform, dtype,
              requested)
@@ -214,12 +213,11 @@ class ModelRunner:
     def compile(self, shape: tuple[int, int, int]) -> Any:
         """The forward pass for bucket (rows, tokens, width), and the sampler for its rows."""
         r = shape[0]
-        if shape not in self._compiled or r not in self._compiled_sample:
-            forward_args, sample_args = self._abstract_args(*shape)
-            if shape not in self._compiled:
-                self._compiled[shape] = self._jitted.lower(*forward_args).compile()
-            if r not in self._compiled_sample:
-                self._compiled_sample[r] = self._jitted_sample.lower(*sample_args).compile()
+        forward_args, sample_args = self._abstract_args(*shape)
+        if shape not in self._compiled:
+            self._compiled[shape] = self._jitted.lower(*forward_args).compile()
+        if r not in self._compiled_sample:
+            self._compiled_sample[r] = self._jitted_sample.lower(*sample_args).compile()
         return self._compiled[shape]
 
     def warmup(self, shapes: Sequence[tuple[int, int, int]] | None = None) -> float:
@@ -257,13 +255,12 @@ class ModelRunner:
                                                        host.bias, self.config.vocab_size))
             masks = None
             self.channel.send(Op.STEP, host)
-        if self.profile is None:
-            return CallResult(n, self._execute(host, masks), host.shape, order)
         start = time.perf_counter()
         out = self._execute(host, masks)
-        jax.block_until_ready(out.tokens)      # serialises the pipeline: diagnostics only
-        self.profile.record(host.shape, time.perf_counter() - start,
-                            int((host.token_rows >= 0).sum()))
+        if self.profile is not None:
+            jax.block_until_ready(out.tokens)      # serialises the pipeline: diagnostics only
+            self.profile.record(host.shape, time.perf_counter() - start,
+                                int((host.token_rows >= 0).sum()))
         return CallResult(n, out, host.shape, order)
 
     def follow(self) -> int:
@@ -297,7 +294,8 @@ class ModelRunner:
 
     def row(self, token_ids: Sequence[int], start_position: int, block_table: Sequence[int],
             token_slot: int, sample: bool = True, sampling: RowSampling = GREEDY) -> RowInput:
-        """A row made by hand (benchmarks, calibration), as the scheduler would plan it."""
+        """A row made by hand (the draft proposer, calibration, benchmarks), as the scheduler
+        would plan it."""
         n = len(token_ids)
         return RowInput(ScheduledSeq("", tuple(token_ids), start_position, tuple(block_table),
                                      slot_mapping(block_table, start_position, n,

@@ -58,10 +58,15 @@ def _first_max(z: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(z == m, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
 
 
-def _uniforms(s: SamplingArrays) -> jax.Array:
-    """[B] float32 in [0, 1), one per row from its (seed, token index) stream."""
-    return jax.vmap(lambda seed, c: jax.random.uniform(
-        jax.random.fold_in(jax.random.key(seed), c)))(s.seed, s.counter)
+def uniforms(s: SamplingArrays, salt: int | None = None) -> jax.Array:
+    """[B] float32 in [0, 1), one per row from its (seed, token index) stream; with `salt`, a
+    stream beside it (same seed and token index), independent of the sampler's own draw (the
+    accept / resample draws of draft_verify.py)."""
+    def draw(seed: jax.Array, c: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed), c)
+        return jax.random.uniform(key if salt is None else jax.random.fold_in(key, salt))
+
+    return jax.vmap(draw)(s.seed, s.counter)
 
 
 def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
@@ -173,7 +178,7 @@ def sample(logits: jax.Array, s: SamplingArrays, allowed: jax.Array | None = Non
     def draw(_: None) -> jax.Array:
         t = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
         z = biased / t
-        u = _uniforms(s)
+        u = uniforms(s)
         plain = _draw_all(z, s, u)
         filtering = (s.top_k > 0) | (s.top_p < 1.0)
         drawn = jax.lax.cond(jnp.any(filtering & (s.temperature > 0)),

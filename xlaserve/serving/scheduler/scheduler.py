@@ -118,7 +118,7 @@ class Scheduler:
     def add(self, request: GenerationRequest) -> None:
         """Queue a request; ValueError when it could never run."""
         rid = request.request_id
-        if rid in self._seqs or any(rid in plan.request_ids for plan in self._in_flight):
+        if rid in self._seqs or any(r.request_id == rid for p in self._in_flight for r in p.rows):
             raise ValueError(f"request_id {rid!r} is already in use")
         check_request(request, self.config, self.kv_cache.blocks_needed)
         seq = Sequence.from_request(request, self._next_seq_no)
@@ -147,9 +147,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> RequestState | None:
         """End a request in any phase; None when it is unknown or already ended."""
-        if request_id not in self._seqs:
-            return None
-        return self.finish(request_id, "abort")
+        return self.finish(request_id, "abort") if request_id in self._seqs else None
 
     def length_finish_reason(self, request_id: str) -> str | None:
         """"length" once the reported tokens reach max_tokens or max_model_len."""
@@ -200,8 +198,7 @@ class Scheduler:
         if plan.step_id != expected:
             raise ValueError(f"update for step {plan.step_id}, expected step {expected}: "
                              "update each non-empty plan once, in order")
-        rows = {r.request_id: r for r in plan.rows if r.sample}
-        live = {rid: r for rid, r in rows.items() if rid in self._seqs}
+        live = {r.request_id: r for r in plan.rows if r.sample and r.request_id in self._seqs}
         given = check_samples(plan, sampled, live)
         self._in_flight.popleft()
         out: dict[str, tuple[int, ...]] = {}
@@ -260,8 +257,8 @@ class Scheduler:
                 continue  # waits for update() / for the engine to finish it
             prefix = self.kv_cache.find_cached_prefix(seq.all_token_ids, seq.request.tenant)
             if prefix.miss_hash is not None:
-                if in_flight is None:
-                    in_flight = self._in_flight_block_hashes()
+                if in_flight is None:   # the full blocks running requests have yet to register
+                    in_flight = {h for s in self._running.values() for h in self._unregistered(s)}
                 if prefix.miss_hash in in_flight:
                     continue  # a running request is computing that block: hit it later
             n = min(cfg.max_prefill_chunk, draft.budget, seq.num_tokens - prefix.num_tokens)
@@ -277,13 +274,6 @@ class Scheduler:
             draft.add(seq, n)
             if in_flight is not None:
                 in_flight.update(self._unregistered(seq))
-
-    def _in_flight_block_hashes(self) -> set[bytes]:
-        """Hashes of the full blocks running requests have yet to compute or register."""
-        out: set[bytes] = set()
-        for seq in self._running.values():
-            out.update(self._unregistered(seq))
-        return out
 
     def _unregistered(self, seq: Sequence) -> list[bytes]:
         known = seq.all_token_ids[:seq.num_known_tokens]

@@ -81,16 +81,8 @@ class StepPlan:
         return sum(r.num_tokens for r in self.rows)
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.decodes) + len(self.prefills)
-
-    @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
-
-    @property
-    def request_ids(self) -> frozenset[str]:
-        return frozenset(r.request_id for r in self.rows)
 
     @property
     def num_samples(self) -> int:

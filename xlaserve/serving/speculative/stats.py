@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -32,5 +32,4 @@ class SpecStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     def snapshot(self) -> SpecStats:
-        return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                         list(self.acceptance_counts))
+        return replace(self, acceptance_counts=list(self.acceptance_counts))
