@@ -40,7 +40,6 @@
 #include "buffers.h"
 #include "parallel.h"
 #include "simd.h"
-#include "stats.h"
 #include "tile.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -207,7 +206,6 @@ void stream(const float* x, int64_t M, int64_t K, const std::vector<Operand>& op
 ffi::Error Matmul(ffi::Buffer<ffi::F32, 2> x,
                   ffi::Buffer<ffi::S32, 0> layer, ffi::RemainingArgs weights,
                   ffi::RemainingRets outputs) {
-  ScopedTimer timer(Kernel::kMatmul);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   const int32_t l = *layer.typed_data();
   if (weights.size() != outputs.size() || weights.size() == 0)
@@ -305,7 +303,6 @@ void nt_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, fl
 
 ffi::Error MatmulNt(ffi::Buffer<ffi::F32, 2> x,
                     ffi::Buffer<ffi::F32, 2> w, ffi::ResultBuffer<ffi::F32, 2> y) {
-  ScopedTimer timer(Kernel::kMatmulNt);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
   if (w.dimensions()[1] != K)
     return ffi::Error::InvalidArgument("xlaserve_matmul_nt: w must be [N, K] with K = x.shape[1]");

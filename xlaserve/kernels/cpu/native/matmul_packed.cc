@@ -38,7 +38,6 @@
 #include "buffers.h"
 #include "parallel.h"
 #include "simd.h"
-#include "stats.h"
 #include "tile.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -260,7 +259,6 @@ const char* collect_panels(ffi::RemainingArgs& weights, ffi::RemainingRets& outp
 ffi::Error MatmulPacked(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> layer,
                         ffi::Buffer<ffi::S32, 0> rows, ffi::RemainingArgs weights,
                         ffi::RemainingRets outputs) {
-  ScopedTimer timer(Kernel::kMatmul);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   std::vector<Panel> panels;
   if (const char* bad = collect_panels(weights, outputs, M, K, *layer.typed_data(), panels))
@@ -313,7 +311,6 @@ ffi::Error MatmulPackedNormed(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 
                               ffi::Buffer<ffi::S32, 0> rows, ffi::Buffer<ffi::F32, 2> norm,
                               ffi::RemainingArgs weights,
                               ffi::RemainingRets outputs, float eps) {
-  ScopedTimer timer(Kernel::kMatmul);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   const int32_t l = *layer.typed_data();
   if (norm.dimensions()[1] != K || l < 0 || l >= norm.dimensions()[0])
@@ -339,7 +336,6 @@ ffi::Error MatmulPackedAdd(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> 
                            ffi::Buffer<ffi::S32, 0> rows, ffi::Buffer<ffi::F32, 2> residual,
                            ffi::RemainingArgs rest,
                            ffi::ResultBuffer<ffi::F32, 2> y) {
-  ScopedTimer timer(Kernel::kMatmul);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   auto yd = y->dimensions();
   if (residual.dimensions()[0] != yd[0] || residual.dimensions()[1] != yd[1])
@@ -376,7 +372,6 @@ void silu_mul(const float* g, const float* u, float* h, int64_t n) {
 ffi::Error MatmulPackedGated(ffi::Buffer<ffi::F32, 2> gate, ffi::Buffer<ffi::F32, 2> up,
                              ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 0> rows,
                              ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32, 2> y) {
-  ScopedTimer timer(Kernel::kMatmul);
   const int64_t M = gate.dimensions()[0], F = gate.dimensions()[1];
   if (up.dimensions()[0] != M || up.dimensions()[1] != F)
     return ffi::Error::InvalidArgument("xlaserve_matmul_packed_gated: gate and up must have "

@@ -55,7 +55,6 @@
 #include "buffers.h"
 #include "parallel.h"
 #include "simd.h"
-#include "stats.h"
 #include "tile.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -465,7 +464,6 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
                           ffi::ResultBuffer<ffi::F32, 3> out, int64_t num_blocks,
                           int64_t block_size, float scale, float soft_cap,
                           int64_t sliding_window) {
-  ScopedTimer timer(Kernel::kPagedAttention);
   Geometry g;
   g.T = q.dimensions()[0];
   g.H = q.dimensions()[1];

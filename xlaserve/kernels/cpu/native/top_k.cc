@@ -17,7 +17,6 @@
 
 #include "buffers.h"
 #include "parallel.h"
-#include "stats.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -60,7 +59,6 @@ void top_k_row(const float* x, int64_t V, int64_t k, float* values, int32_t* ind
 
 ffi::Error TopK(ffi::Buffer<ffi::F32, 2> x, ffi::ResultBuffer<ffi::F32, 2> values,
                 ffi::ResultBuffer<ffi::S32, 2> indices) {
-  ScopedTimer timer(Kernel::kTopK);
   const int64_t B = x.dimensions()[0], V = x.dimensions()[1], k = values->dimensions()[1];
   if (k < 1 || k > V || values->dimensions()[0] != B || indices->dimensions()[0] != B ||
       indices->dimensions()[1] != k)
