@@ -33,19 +33,42 @@ def cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
+MARCHES = {"x86-64-v3": {"avx2", "fma"}, "x86-64-v2": set()}
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
+    """Both builds' child pytest runs, started at once (each is mostly one g++ or one Python
+    thread, so on two cores the pair takes about as long as one): march -> (process, log)."""
+    started = {}
+    for march, needs in MARCHES.items():
+        if not needs <= cpu_flags():
+            continue
+        tmp = tmp_path_factory.mktemp(march)
+        cxx = tmp / "cxx"
+        cxx.write_text(f'#!/bin/sh\nexec g++ "$@" -march={march}\n')
+        cxx.chmod(0o755)
+        env = {**os.environ, "CXX": str(cxx), "XLASERVE_KERNEL_CACHE": str(tmp / "cache")}
+        log = tmp / "pytest.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-p",
+                                     "no:cacheprovider", *TESTS], cwd=ROOT, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT, text=True)
+        started[march] = (proc, log)
+    yield started
+    for proc, _ in started.values():
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("g++") is None,
                     reason="the -march levels below are x86-64's, built with g++")
-@pytest.mark.parametrize("march,needs", [("x86-64-v3", {"avx2", "fma"}),
-                                         ("x86-64-v2", set())])
-def test_kernels_built_for_another_vector_width_match_the_references(tmp_path, march, needs):
+@pytest.mark.parametrize("march,needs", list(MARCHES.items()))
+def test_kernels_built_for_another_vector_width_match_the_references(children, march, needs):
     if not needs <= cpu_flags():
         pytest.skip(f"this CPU cannot run -march={march} code (lacks {needs - cpu_flags()})")
-    cxx = tmp_path / "cxx"
-    cxx.write_text(f'#!/bin/sh\nexec g++ "$@" -march={march}\n')
-    cxx.chmod(0o755)
-    env = {**os.environ, "CXX": str(cxx), "XLASERVE_KERNEL_CACHE": str(tmp_path / "cache")}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                          *TESTS], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1]
+    proc, log = children[march]
+    returncode = proc.wait(timeout=900)
+    stdout = log.read_text()
+    assert returncode == 0, stdout[-6000:]
+    assert " passed" in stdout and "skipped" not in stdout.splitlines()[-1]
