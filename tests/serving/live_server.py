@@ -7,7 +7,6 @@ from __future__ import annotations
 from tests.conftest import MODEL_DIR
 
 import asyncio
-import os
 import socket
 import ssl
 import threading
