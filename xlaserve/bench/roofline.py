@@ -98,9 +98,9 @@ def _jax_pass_bandwidth(nbytes: int, repeats: int) -> float:
 
 
 def thread_bounds(size: int) -> list[tuple[int, int]]:
-    """[start, end) of one slice of range(size) per core."""
-    parts = np.array_split(np.arange(size), os.cpu_count() or 1)
-    return [(int(p[0]), int(p[-1]) + 1) for p in parts if p.size]
+    """[start, end) of one slice of range(size) per core (as even as integers allow)."""
+    n = max(1, min(os.cpu_count() or 1, size))
+    return [(size * i // n, size * (i + 1) // n) for i in range(n)]
 
 
 def threaded_copy_bandwidth(nbytes: int, repeats: int = 5) -> float:

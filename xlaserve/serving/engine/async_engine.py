@@ -367,11 +367,13 @@ def build(served: Any) -> list[ThreadedEngine]:
     from xlaserve.sharding.mesh import MeshConfig
 
     args = dict(served.engine_args)
-    mesh = args.get("mesh")
+    mesh = args.get("mesh")   # a file name, a table, a MeshConfig, or None (the default)
     if isinstance(mesh, str):
         args["mesh"] = MeshConfig.load(mesh)
     elif isinstance(mesh, dict):
         args["mesh"] = MeshConfig.from_dict(mesh)
+    elif mesh is None:
+        args.pop("mesh", None)
     # On a multi-host job every process calls this with the same config: process 0 gets the
     # engine it serves with, the others the same runner, to `follow()`.
     engines = build_engines(served.path, EngineConfig.from_args(args), dtype=served.dtype,
