@@ -24,7 +24,8 @@ from xlaserve.serving.http.pipeline import (
     start_generation,
     tokenize,
 )
-from xlaserve.serving.http.protocol import ApiError, parse
+from xlaserve.serving.http.errors import ApiError
+from xlaserve.serving.http.protocol import parse
 from xlaserve.serving.http.server import build_state
 from xlaserve.serving.http.state import Admitted, ServingState
 from xlaserve.serving.server_config import AuditConfig, AuthConfig, ServedModel, ServerConfig

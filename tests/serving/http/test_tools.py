@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from xlaserve.serving.http.protocol import ApiError
+from xlaserve.serving.http.errors import ApiError
 from xlaserve.serving.http.structured import parse_constraint
 from xlaserve.serving.http.tools import (
     ToolCallParser,

@@ -18,7 +18,7 @@ from werkzeug.exceptions import HTTPException
 from xlaserve.serving.gateway.tracing import TraceContext
 from xlaserve.serving.http.openapi import openapi_document
 from xlaserve.serving.http.pipeline import authenticate, generate, refuse_if_draining
-from xlaserve.serving.http.protocol import ApiError
+from xlaserve.serving.http.errors import ApiError
 from xlaserve.serving.http.render import error_response, json_response
 from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.router import RoutingError

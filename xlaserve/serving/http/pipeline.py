@@ -22,7 +22,8 @@ from xlaserve.serving.admission import Rejected, Ticket, Work
 from xlaserve.serving.gateway.auth import AuthError, Principal
 from xlaserve.serving.gateway.ratelimit import RateLimited, Reservation
 from xlaserve.serving.gateway.tracing import TraceContext
-from xlaserve.serving.http.protocol import ApiError, ParsedRequest, decode_body, parse
+from xlaserve.serving.http.errors import ApiError
+from xlaserve.serving.http.protocol import ParsedRequest, decode_body, parse
 from xlaserve.serving.http.render import ended_by, render, shutting_down
 from xlaserve.serving.http.state import Admitted, Generation, ServingState, audit_record
 from xlaserve.serving.http.tools import render_messages

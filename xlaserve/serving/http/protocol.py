@@ -1,5 +1,4 @@
-"""A request body -> `ParsedRequest`, and `ApiError`, the OpenAI-shaped error every failure
-answers with (responses: http/render.py).
+"""A request body -> `ParsedRequest`; every failure an `ApiError` (http/errors.py).
 
 The fields' types, ranges and policies are the pydantic models of http/schemas.py; `parse`
 validates a body with them and answers the first failure as an ApiError (400) naming the
@@ -14,50 +13,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from functools import cache
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
-from werkzeug.exceptions import HTTPException
 
 from xlaserve.serving.http import schemas
+from xlaserve.serving.http.errors import ApiError, invalid_value
 from xlaserve.serving.http.schemas import (ChatCompletionRequest, CommonRequest,
                                            CompletionRequest, encodes)
+from xlaserve.serving.http.structured import parse_constraint
+from xlaserve.serving.http.tools import Tools, parse_tools, tool_constraint
 from xlaserve.serving.structured.constraint import Constraint
-
-if TYPE_CHECKING:
-    from xlaserve.serving.http.tools import Tools
-
-
-class ApiError(Exception):
-    """An error answered with an OpenAI-shaped body {"error": {message, type, param, code}}."""
-
-    TYPES: ClassVar[dict[int, str]] = {
-        400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-        404: "invalid_request_error", 405: "invalid_request_error",
-        413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-        503: "service_unavailable"}
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message,
-                          "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
-
-    @classmethod
-    def from_http(cls, e: HTTPException, max_body_bytes: int) -> ApiError:
-        """A werkzeug HTTP error (body over `max_body_bytes`, no such route, wrong method)."""
-        codes = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}
-        msg = (f"Request body exceeds the limit of {max_body_bytes} bytes" if e.code == 413
-               else e.description or e.name)
-        return cls(e.code or 400, msg, None, codes.get(e.code or 400))
 
 
 @dataclass
@@ -116,10 +82,6 @@ _RANGES = ("greater_than", "greater_than_equal", "less_than", "less_than_equal",
 def _type_error(name: str, want: str, value: Any) -> ApiError:
     return ApiError(400, f"Invalid type for '{name}': expected {want}, got "
                          f"{type(value).__name__} ({_show(value)})", name, "invalid_type")
-
-
-def invalid_value(param: str, why: str) -> ApiError:
-    return ApiError(400, f"Invalid value for '{param}': {why}", param, "invalid_value")
 
 
 def _value_error(name: str, why: str, value: Any) -> ApiError:
@@ -204,10 +166,6 @@ def api_error(e: ValidationError, model: type[BaseModel]) -> ApiError:
 
 def parse(kind: str, body: dict[str, Any], max_n: int) -> ParsedRequest:
     """A decoded body validated for `kind` ("chat" | "completion")."""
-    # imported here: both modules raise this module's ApiError
-    from xlaserve.serving.http.structured import parse_constraint
-    from xlaserve.serving.http.tools import parse_tools, tool_constraint
-
     model = schemas.REQUESTS[kind]
     for k in body:   # a key with no UTF-8 form (a lone surrogate) names no field we know
         if not encodes(k):

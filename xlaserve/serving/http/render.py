@@ -16,7 +16,7 @@ from typing import Any
 from quart import Response
 
 from xlaserve.serving.gateway.audit import utf8_json
-from xlaserve.serving.http.protocol import ApiError
+from xlaserve.serving.http.errors import ApiError
 from xlaserve.serving.http.state import Choice, Generation
 from xlaserve.serving.http.tools import ToolCallParser
 from xlaserve.serving.tokenizer import Tokenizer

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from xlaserve.serving.http.protocol import ApiError, invalid_value
+from xlaserve.serving.http.errors import ApiError, invalid_value
 from xlaserve.serving.structured.constraint import MAX_SPEC_CHARS, Constraint
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",

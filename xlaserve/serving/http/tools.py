@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from xlaserve.serving.http.protocol import invalid_value
+from xlaserve.serving.http.errors import invalid_value
 from xlaserve.serving.structured.constraint import Constraint
 from xlaserve.serving.structured.grammar import JSON_OPTIONS
 
