@@ -20,27 +20,22 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from xlaserve.serving.generate import SamplingOptions, SequenceGenerator
-    from xlaserve.serving.loading import load_model
-    from xlaserve.serving.tokenizer import IncrementalDetokenizer
+    from xlaserve.serving.generate import generate_text, single_request_engine
+    from xlaserve.serving.types import SamplingParams
 
-    model = load_model(args.model, dtype=args.dtype)
-    tok = model.tokenizer
+    engine = single_request_engine(args.model, args.max_len, dtype=args.dtype,
+                                   attention_backend=args.attention_backend)
+    tok = engine.tokenizer
     if args.chat is not None:
         prompt = tok.encode_chat([{"role": "user", "content": args.chat}])
     else:
         prompt = tok.encode(args.prompt)
-    gen = SequenceGenerator(model.params, model.config, max_len=args.max_len,
-                            attention_backend=args.attention_backend)
-    options = SamplingOptions(max_tokens=args.max_tokens, temperature=args.temperature,
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed)
-    detok = IncrementalDetokenizer(tok, prompt)
-    for token in gen.generate(prompt, options, stop_ids=model.config.eos_token_ids):
-        if token in model.config.eos_token_ids:
-            break
-        sys.stdout.write(detok.add(token))
+    for text in generate_text(engine, prompt, sampling):
+        sys.stdout.write(text)
         sys.stdout.flush()
-    sys.stdout.write(detok.flush() + "\n")
+    sys.stdout.write("\n")
     return 0
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import full_logits, max_rel_error
-from xlaserve.serving.generate import SamplingOptions, SequenceGenerator
+from xlaserve.serving.sequence_generator import SequenceGenerator
 
 PROMPTS = [
     "What is the capital of France?",
@@ -45,7 +45,7 @@ def test_greedy_continuations_match(smollm2, hf_smollm2, prompt_ids, hf_greedy,
     gen = SequenceGenerator(smollm2.params, smollm2.config, max_len=256,
                             attention_backend=backend)
     for ids, ref in zip(prompt_ids, hf_greedy):
-        ours = list(gen.generate(ids, SamplingOptions(max_tokens=64)))
+        ours = list(gen.generate(ids, 64))
         assert len(ours) == len(ref) == 64
         for i, (a, b) in enumerate(zip(ours, ref)):
             if a == b:

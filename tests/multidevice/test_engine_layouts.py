@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from xlaserve.serving.engine.config import EngineConfig
-from xlaserve.serving.engine.replicas import build_engines
+from xlaserve.serving.engine.factory import build_engines
 from xlaserve.serving.runner.compile_counter import CompileCounter
 from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.memory import format_layout_report, layout_report

@@ -14,7 +14,7 @@ import pytest
 
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import init_params
-from xlaserve.serving.engine.replicas import build_engines
+from xlaserve.serving.engine.factory import build_engines
 from xlaserve.serving.runner.compile_counter import CompileCounter
 from xlaserve.sharding.memory import format_layout_report, layout_report
 from xlaserve.sharding.mesh import MeshConfig

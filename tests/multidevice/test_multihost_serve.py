@@ -51,7 +51,6 @@ def server_toml(model: Path, port: int, mesh: str = "", distributed: str = "") -
     mesh_arg = f", mesh = {mesh}" if mesh else ""
     return (f'[server]\nhost = "127.0.0.1"\nport = {port}\n\n[auth]\nmode = "none"\n\n'
             f'[[models]]\nname = "tiny"\npath = "{model}"\n'
-            f'engine = "xlaserve.serving.engine.async_engine:build"\n'
             f"engine_args = {{ {ENGINE_ARGS}{mesh_arg} }}\n{distributed}")
 
 

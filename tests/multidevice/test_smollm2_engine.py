@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from xlaserve.serving.engine.config import EngineConfig
-from xlaserve.serving.engine.replicas import build_engines
+from xlaserve.serving.engine.factory import build_engines
 from xlaserve.serving.types import GenerationRequest, SamplingParams
 from xlaserve.sharding.mesh import MeshConfig
 

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import ROOT
 from tests.serving.engine.conftest import new_tiny_engine, warm_tiny  # noqa: F401 (fixture)
 from tests.serving.live_server import LiveServer
-from xlaserve.serving.engine.async_engine import ThreadedEngine
+from xlaserve.serving.engine.threaded_engine import ThreadedEngine
 from xlaserve.serving.http.server import build_state
 from xlaserve.serving.server_config import ServedModel, ServerConfig
 

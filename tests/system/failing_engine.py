@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from xlaserve.serving.engine.async_engine import ThreadedEngine
-from xlaserve.serving.engine.async_engine import build as build_engines
+from xlaserve.serving.engine.threaded_engine import ThreadedEngine
+from xlaserve.serving.engine.factory import threaded_engines
 
 
 def build(served: Any) -> list[ThreadedEngine]:
-    engines = build_engines(served)
+    engines = threaded_engines(served)
     for e in engines:
         def warmup(*args: Any, **kwargs: Any) -> None:
             raise RuntimeError("injected warm-up failure")

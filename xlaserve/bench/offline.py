@@ -28,7 +28,7 @@ from xlaserve.bench.roofline import measure_roofline, param_bytes
 from xlaserve.bench.static_system import StaticBatcher
 from xlaserve.bench.workload import Workload, get_workload
 from xlaserve.serving.engine import EngineConfig
-from xlaserve.serving.engine.replicas import make_runner
+from xlaserve.serving.engine.factory import make_runner
 from xlaserve.serving.loading import LoadedModel, load_model
 from xlaserve.serving.runner.call_profile import CallProfile, format_rows
 from xlaserve.serving.runner.runner import ModelRunner

@@ -128,7 +128,7 @@ def greedy_agreement(models: tuple[LoadedModel, LoadedModel], max_tokens: int,
                      kv_dtypes: tuple[str | None, str | None] = (None, None)
                      ) -> tuple[int, float]:
     """(prompts answered identically, mean tokens before the first difference)."""
-    from xlaserve.serving.generate import SamplingOptions, SequenceGenerator
+    from xlaserve.serving.sequence_generator import SequenceGenerator
 
     answers: list[list[list[int]]] = []
     for m, kv_dtype in zip(models, kv_dtypes):
@@ -137,7 +137,7 @@ def greedy_agreement(models: tuple[LoadedModel, LoadedModel], max_tokens: int,
         outs = []
         for text in CHAT_PROMPTS:
             prompt = m.tokenizer.encode_chat([{"role": "user", "content": text}])
-            outs.append(list(gen.generate(prompt, SamplingOptions(max_tokens=max_tokens),
+            outs.append(list(gen.generate(prompt, max_tokens,
                                           stop_ids=m.config.eos_token_ids)))
         answers.append(outs)
     identical, prefixes = 0, []

@@ -24,7 +24,7 @@ from xlaserve.bench.report import write_json
 from xlaserve.bench.workload import BenchRequest, get_workload
 from xlaserve.serving.engine import EngineConfig
 from xlaserve.serving.engine.draft_model import make_draft_runner
-from xlaserve.serving.engine.replicas import make_runner
+from xlaserve.serving.engine.factory import make_runner
 from xlaserve.serving.loading import LoadedModel, load_model
 from xlaserve.serving.runner.compile_counter import CompileCounter
 from xlaserve.serving.runner.draft_runner import DraftRunner

@@ -28,7 +28,8 @@ from xlaserve.models.quantize import check_quantization
 from xlaserve.serving.types import Tier
 
 TIER_NAMES = {t.name.lower(): t for t in Tier}
-BUILTIN_ENGINE = "xlaserve.serving.engine.async_engine:build"  # engine_args: EngineConfig.from_args
+# the engine factory of a [[models]] table without `engine`; engine_args: EngineConfig.from_args
+BUILTIN_ENGINE = "xlaserve.serving.engine.factory:threaded_engines"
 DTYPES = (None, "auto", "float32", "bfloat16", "float16")   # a served model's weight dtype
 
 
@@ -206,7 +207,7 @@ class ServedModel:
     default: bool = True          # requests naming just `name` get this version
     path: str = ""                # model folder (weights, tokenizer); for grpc replicas the
                                   # tokenizer is loaded from here too
-    engine: str = ""              # "module:function" building a local engine: fn(ServedModel)
+    engine: str = BUILTIN_ENGINE  # "module:function" building a local engine: fn(ServedModel)
     # "local" or "grpc://host:port", one per replica; "prefill://host:port" and
     # "decode://host:port" workers together make one replica that splits each request
     # between them (serving/disagg/)

@@ -136,7 +136,7 @@ def assert_joining_matches_alone(engine: LLMEngine, model_config: ModelConfig,
     """Warm the engine up, run six staggered prompts (run_joining): nothing compiles, and each
     request gets the greedy tokens the same parameters, backend and KV cache dtype give it
     alone (SequenceGenerator)."""
-    from xlaserve.serving.generate import SamplingOptions, SequenceGenerator
+    from xlaserve.serving.sequence_generator import SequenceGenerator
 
     engine.runner.warmup()
     rng = np.random.default_rng(seed)
@@ -147,5 +147,5 @@ def assert_joining_matches_alone(engine: LLMEngine, model_config: ModelConfig,
                               attention_backend=engine.runner.backend,
                               kv_dtype=engine_config.kv_dtype)
     for i, ids in enumerate(prompts):
-        want = list(alone.generate(ids, SamplingOptions(max_tokens=12), stop_ids=()))
+        want = list(alone.generate(ids, 12, stop_ids=()))
         assert tokens_of(out[f"r{i}"]) == want, i

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from tests.serving.engine.conftest import new_tiny_engine, request, tokens_of
-from xlaserve.serving.engine.async_engine import ThreadedEngine
+from xlaserve.serving.engine.threaded_engine import ThreadedEngine
 
 
 def test_a_cancelled_call_is_skipped_and_the_engine_serves_on(warm_tiny):

@@ -18,7 +18,7 @@ from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import init_params
 from xlaserve.models.moe import route
 from xlaserve.serving.engine import LLMEngine
-from xlaserve.serving.generate import SamplingOptions, SequenceGenerator
+from xlaserve.serving.sequence_generator import SequenceGenerator
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.sharding.mesh import make_mesh
 
@@ -70,7 +70,7 @@ def test_moe_engine_matches_alone_and_compiles_nothing(model_dir, name: str,
                               attention_backend=engine.runner.backend)
     outputs = []
     for i, ids in enumerate(prompts):
-        want = list(alone.generate(ids, SamplingOptions(max_tokens=12), stop_ids=()))
+        want = list(alone.generate(ids, 12, stop_ids=()))
         assert tokens_of(out[f"r{i}"]) == want, i
         outputs.append(want)
     # Not a degenerate model: requests get different continuations.

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from tests.serving.engine.conftest import collect, new_tiny_engine, request, tokens_of
-from xlaserve.serving.engine.async_engine import ThreadedEngine
+from xlaserve.serving.engine.threaded_engine import ThreadedEngine
 from xlaserve.serving.grpc import xlaserve_pb2 as pb
 from xlaserve.serving.grpc import xlaserve_pb2_grpc as pb_grpc
 from xlaserve.serving.grpc.server import start_grpc_server

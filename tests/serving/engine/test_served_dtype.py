@@ -12,8 +12,8 @@ from tests.multidevice.engine_workload import save_model_folder
 from tests.serving.engine.conftest import TINY_CONFIG
 from xlaserve.models.llama import init_params
 from xlaserve.serving.config_file import with_model_overrides
-from xlaserve.serving.engine.async_engine import build
-from xlaserve.serving.engine.replicas import serving_dtype
+from xlaserve.serving.engine.factory import threaded_engines as build
+from xlaserve.serving.loading import serving_dtype
 from xlaserve.serving.server_config import BUILTIN_ENGINE, ServedModel, ServerConfig
 
 ENGINE_ARGS = {"max_model_len": 64, "block_size": 16, "num_kv_blocks": 8, "max_num_seqs": 2,

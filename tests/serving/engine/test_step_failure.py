@@ -11,7 +11,7 @@ import pytest
 
 from tests.serving.engine.conftest import collect, new_tiny_engine, request, tokens_of
 from xlaserve.serving.engine import LLMEngine
-from xlaserve.serving.engine.async_engine import ThreadedEngine
+from xlaserve.serving.engine.threaded_engine import ThreadedEngine
 from xlaserve.serving.runner.runner import ModelRunner
 
 PROMPT = list(range(1000, 1020))

@@ -17,7 +17,7 @@ from tests.serving.engine.conftest import (
 )
 from xlaserve.models.llama import init_params
 from xlaserve.serving.engine import LLMEngine
-from xlaserve.serving.engine.async_engine import ThreadedEngine
+from xlaserve.serving.engine.threaded_engine import ThreadedEngine
 from xlaserve.serving.grpc.client import RemoteEngine
 from xlaserve.serving.grpc.server import start_grpc_server
 from xlaserve.serving.speculative import SpeculativeConfig

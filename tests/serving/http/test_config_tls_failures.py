@@ -13,7 +13,7 @@ import pytest
 
 from tests.serving.fake_engine import FakeEngine
 from xlaserve.serving.config_file import config_from_dict, load_config
-from xlaserve.serving.server_config import ServedModel, ServerConfig
+from xlaserve.serving.server_config import BUILTIN_ENGINE, ServedModel, ServerConfig
 from xlaserve.serving.types import Tier
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -220,15 +220,16 @@ def test_serve_reports_a_distributed_type_error(tmp_path, capsys):
 
 
 def test_engine_args_keys_checked_at_load():
-    engine = "xlaserve.serving.engine.async_engine:build"
     unknown = (r"^models\[m\]\.engine_args: unknown key\(s\) \['max_seqs'\]; "
                r"known: \[.*'max_num_seqs'")
-    with pytest.raises(ValueError, match=unknown):
-        config_from_dict({"models": [{"name": "m", "engine": engine,
-                                      "engine_args": {"max_seqs": 4}}]})
-    ok = config_from_dict({"models": [{"name": "m", "engine": engine, "engine_args": {
+    for engine in ({}, {"engine": BUILTIN_ENGINE}):   # the built-in factory, by default or named
+        with pytest.raises(ValueError, match=unknown):
+            config_from_dict({"models": [{"name": "m", **engine,
+                                          "engine_args": {"max_seqs": 4}}]})
+    ok = config_from_dict({"models": [{"name": "m", "replicas": ["local"], "engine_args": {
         "max_num_seqs": 4, "mesh": {"tensor": 1}}}]})
     assert ok.models[0].engine_args["max_num_seqs"] == 4
+    assert ok.models[0].engine == BUILTIN_ENGINE   # a local replica needs no `engine` line
     # another engine factory's arguments are its own business
     other = config_from_dict({"models": [{"name": "m", "engine": "tests.x:y",
                                           "engine_args": {"anything": 1}}]})

@@ -37,7 +37,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     seed: int = 0                        # seeds requests that bring none
     # Devices: each of `mesh.replicas` engines runs on its own `pipeline x tensor` mesh
-    # (serving/engine/replicas.py builds the meshes, parameters and engines).
+    # (serving/loading.py loads the meshes and parameters, serving/engine/factory.py the engines).
     mesh: MeshConfig = MeshConfig()  # noqa: RUF009 - frozen, so one shared default is safe
     speculative: SpeculativeConfig | None = None   # draft tokens verified per step; None: off
 

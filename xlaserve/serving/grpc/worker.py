@@ -46,7 +46,7 @@ def _parse_worker_args(argv: list[str] | None) -> argparse.Namespace:
 
 async def _serve_worker(args: argparse.Namespace, auth: WorkerAuth) -> None:
     from xlaserve.serving.disagg.workers import refuse_multiprocess_worker
-    from xlaserve.serving.http.server import local_engines
+    from xlaserve.serving.engine.factory import local_engines
     from xlaserve.sharding.distributed import DistributedConfig
 
     loaded, table = load_serve_config(args.config)

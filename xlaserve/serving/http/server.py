@@ -1,8 +1,9 @@
 """Build the serving state from a ServerConfig and run it under hypercorn (`xlaserve serve`).
 
-Engines per model come from `[[models]] replicas`: "local" replicas are built by the factory
-named in `engine` ("module:function", called with the ServedModel, returning an AsyncEngine or
-an awaitable of one); "grpc://host:port" replicas are `RemoteEngine`s to an `xlaserve worker`,
+Engines per model come from `[[models]] replicas`: "local" replicas are built by
+serving/engine/factory.py (`local_engines`: the built-in engines, or the factory a table names
+in `engine`, "module:function", called with the ServedModel, returning an AsyncEngine or an
+awaitable of one); "grpc://host:port" replicas are `RemoteEngine`s to an `xlaserve worker`,
 dialled as the `[grpc]` table says (TLS, client certificate, token: serving/grpc/auth.py).
 
 Multi-host: a `[distributed]` table in the config file (or XLASERVE_COORDINATOR /
@@ -31,8 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import importlib
-import inspect
 import logging
 import signal
 import sys
@@ -54,7 +53,7 @@ from xlaserve.serving.engine_api import AsyncEngine, ServiceCosts
 from xlaserve.serving.http.app import create_app
 from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.router import ModelGroup, Replica, Router
-from xlaserve.serving.server_config import ServedModel, ServerConfig, replica_target
+from xlaserve.serving.server_config import ServerConfig, replica_target
 from xlaserve.sharding.distributed import (
     DistributedConfig,
     PeerFailure,
@@ -86,28 +85,9 @@ def build_state(config: ServerConfig, engines: Mapping[str, Sequence[AsyncEngine
     return ServingState(config, Router(groups, config.auto))
 
 
-def _import(path: str) -> Any:
-    module, _, name = path.partition(":")
-    if not module or not name:
-        raise ValueError(f"engine={path!r}: expected 'module:function'")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"engine={path!r} cannot be imported: {e}") from None
-
-
-async def local_engines(m: ServedModel) -> list[AsyncEngine]:
-    """What `m`'s factory (`engine`, "module:function") builds: one engine, or several (one
-    per mesh of engine_args.mesh)."""
-    if not m.engine:
-        raise ValueError(f"models[{m.id}]: a 'local' replica needs engine = 'module:function'")
-    built = _import(m.engine)(m)
-    built = await built if inspect.isawaitable(built) else built
-    return list(built) if isinstance(built, (list, tuple)) else [built]
-
-
 async def build_model_engines(config: ServerConfig) -> dict[str, list[AsyncEngine]]:
     from xlaserve.serving.disagg.engine import DisaggregatedEngine
+    from xlaserve.serving.engine.factory import local_engines
     from xlaserve.serving.grpc.auth import channel_credentials
     from xlaserve.serving.grpc.client import RemoteEngine
     from xlaserve.serving.tokenizer import Tokenizer

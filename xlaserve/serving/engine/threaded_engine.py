@@ -37,7 +37,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from xlaserve.serving.engine.config import EngineConfig
 from xlaserve.serving.engine.engine import LLMEngine
 from xlaserve.serving.engine_api import EngineStats, ServiceCosts
 from xlaserve.serving.types import EngineEvent, GenerationRequest
@@ -354,28 +353,3 @@ class ThreadedEngine:
         for _, call in calls:
             call.set_exception(RuntimeError(error))
 
-
-def build(served: Any) -> list[ThreadedEngine]:
-    """The server's engine factory (`engine = "xlaserve.serving.engine.async_engine:build"`):
-    load the model folder `served.path` (in `served.dtype`: replicas.serving_dtype, and
-    `served.quantization`) and wrap
-    continuous-batching engines configured by `served.engine_args` (EngineConfig.from_args keys;
-    `mesh` is a table {pipeline, tensor, replicas} or the path of a preset such as
-    configs/tp2.toml).  One engine per mesh replica; each compiles its buckets on its own
-    thread once started."""
-    from xlaserve.serving.engine.replicas import build_engines
-    from xlaserve.sharding.mesh import MeshConfig
-
-    args = dict(served.engine_args)
-    mesh = args.get("mesh")   # a file name, a table, a MeshConfig, or None (the default)
-    if isinstance(mesh, str):
-        args["mesh"] = MeshConfig.load(mesh)
-    elif isinstance(mesh, dict):
-        args["mesh"] = MeshConfig.from_dict(mesh)
-    elif mesh is None:
-        args.pop("mesh", None)
-    # On a multi-host job every process calls this with the same config: process 0 gets the
-    # engine it serves with, the others the same runner, to `follow()`.
-    engines = build_engines(served.path, EngineConfig.from_args(args), dtype=served.dtype,
-                            quantization=getattr(served, "quantization", None), warmup=False)
-    return [ThreadedEngine(e, model_name=served.name) for e in engines]
