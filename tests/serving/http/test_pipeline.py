@@ -27,7 +27,8 @@ from xlaserve.serving.http.pipeline import (
 from xlaserve.serving.http.errors import ApiError
 from xlaserve.serving.http.protocol import parse
 from xlaserve.serving.http.server import build_state
-from xlaserve.serving.http.state import Admitted, ServingState
+from xlaserve.serving.http.generation import Admitted
+from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.server_config import AuditConfig, AuthConfig, ServedModel, ServerConfig
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.serving.types import Tier

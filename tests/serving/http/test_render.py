@@ -17,7 +17,8 @@ from xlaserve.serving.http import pipeline
 from xlaserve.serving.http.protocol import parse
 from xlaserve.serving.http.render import ended_by, render, token_text
 from xlaserve.serving.http.server import build_state
-from xlaserve.serving.http.state import Admitted, Generation, ServingState
+from xlaserve.serving.http.generation import Admitted, Generation
+from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.server_config import AuditConfig, ServedModel, ServerConfig
 from xlaserve.serving.tokenizer import Tokenizer
 

@@ -25,7 +25,8 @@ from xlaserve.serving.gateway.tracing import TraceContext
 from xlaserve.serving.http.errors import ApiError
 from xlaserve.serving.http.protocol import ParsedRequest, decode_body, parse
 from xlaserve.serving.http.render import ended_by, render, shutting_down
-from xlaserve.serving.http.state import Admitted, Generation, ServingState, audit_record
+from xlaserve.serving.http.generation import Admitted, Generation, audit_record
+from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.http.tools import render_messages
 from xlaserve.serving.router import ModelGroup, RoutingError
 from xlaserve.serving.structured.grammar import GrammarError

@@ -17,7 +17,7 @@ from quart import Response
 
 from xlaserve.serving.gateway.audit import utf8_json
 from xlaserve.serving.http.errors import ApiError
-from xlaserve.serving.http.state import Choice, Generation
+from xlaserve.serving.http.generation import Choice, Generation
 from xlaserve.serving.http.tools import ToolCallParser
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.serving.types import EngineEvent, TokenLogprob, Usage
