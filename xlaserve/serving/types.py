@@ -74,6 +74,34 @@ class SamplingParams:
             bad("stop", "at most 16 non-empty strings")
 
 
+class ContextLengthExceeded(ValueError):
+    """A prompt, or prompt + max_tokens, past a model's context; `field` is the one at fault:
+    "prompt" or the max_tokens field's name."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def checked_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
+                       unset: int | None = None, name: str = "max_tokens") -> int:
+    """`max_tokens` checked against the room a prompt of `prompt_tokens` leaves in a context of
+    `max_model_len` (prompt + max_tokens <= max_model_len), the one check every front end
+    (HTTP, gRPC) makes; None: `unset`, capped to the room (None: the whole room).  `name` is
+    the field the caller set it with, for the message."""
+    if prompt_tokens >= max_model_len:
+        raise ContextLengthExceeded(f"This model's maximum context length is {max_model_len} "
+                                    f"tokens; the prompt has {prompt_tokens} tokens", "prompt")
+    room = max_model_len - prompt_tokens
+    if max_tokens is None:
+        return room if unset is None else min(unset, room)
+    if max_tokens > room:
+        raise ContextLengthExceeded(f"'{name}' is too large: {max_tokens} > {room} (this "
+                                    f"model's maximum context length is {max_model_len} tokens "
+                                    f"and the prompt has {prompt_tokens})", name)
+    return max_tokens
+
+
 @dataclass
 class GenerationRequest:
     request_id: str

@@ -65,6 +65,15 @@ def test_generate_stream_models_health_deadline_cancel(tokenizer):
                         prompt_token_ids=[5, 6], sampling=pb.SamplingParams(max_tokens=0)),
                         timeout=2).read()
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                # the HTTP API's check of max_tokens against the context (types.py)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Generate(pb.GenerateRequest(
+                        prompt_token_ids=[5, 6], sampling=pb.SamplingParams(max_tokens=511)),
+                        timeout=2).read()
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert e.value.details() == ("'max_tokens' is too large: 511 > 510 (this model's "
+                                             "maximum context length is 512 tokens and the "
+                                             "prompt has 2)")
 
                 # deadline: the stream would take 4 s; the call gives up after 0.3 s
                 with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -57,7 +57,8 @@ from xlaserve.serving.grpc.convert import (
 from xlaserve.serving.metrics import StreamTimes
 from xlaserve.serving.server_config import target_host
 from xlaserve.serving.telemetry import Telemetry
-from xlaserve.serving.types import EngineEvent, GenerationRequest, KVHandoff, Usage
+from xlaserve.serving.types import (ContextLengthExceeded, EngineEvent, GenerationRequest,
+                                    KVHandoff, Usage, checked_max_tokens)
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +111,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tier = tier_from_pb(request.tier)
         except ValueError as e:
             await context.abort(bad, str(e))
-        if len(ids) + sampling.max_tokens > engine.max_model_len:
-            await context.abort(bad, f"prompt ({len(ids)} tokens) + max_tokens "
-                                     f"({sampling.max_tokens}) > max_model_len "
-                                     f"{engine.max_model_len}")
+        try:
+            checked_max_tokens(len(ids), sampling.max_tokens, engine.max_model_len)
+        except ContextLengthExceeded as e:
+            await context.abort(bad, str(e))
         if (self.role == "prefill" and request.kv_source) or (
                 self.role == "decode" and request.continues):
             await context.abort(bad, f"this is a {self.role} worker: it does not take the "

@@ -30,7 +30,8 @@ from xlaserve.serving.http.state import ServingState
 from xlaserve.serving.http.tools import render_messages
 from xlaserve.serving.router import ModelGroup, RoutingError
 from xlaserve.serving.structured.grammar import GrammarError
-from xlaserve.serving.types import SamplingParams, Usage
+from xlaserve.serving.types import (ContextLengthExceeded, SamplingParams, Usage,
+                                    checked_max_tokens)
 
 ROUTED_HEADER = "x-xlaserve-routed-model"
 
@@ -200,23 +201,15 @@ def sampling_params(parsed: ParsedRequest, group: ModelGroup, prompts: list[list
                     ) -> SamplingParams:
     """Its SamplingParams, max_tokens checked against (unset: filling, 16 at most for a
     completion) the room the longest prompt leaves in the model's context."""
-    limit = group.max_model_len
-    prompt_field = "messages" if parsed.kind == "chat" else "prompt"
-    longest = max(len(p) for p in prompts)
-    if longest >= limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens; the "
-                            f"prompt has {longest} tokens", prompt_field,
-                       "context_length_exceeded")
-    room = limit - longest
-    if parsed.max_tokens is None:
-        max_tokens = room if parsed.kind == "chat" else min(16, room)
-    elif parsed.max_tokens > room:
-        name = parsed.max_tokens_param
-        raise ApiError(400, f"'{name}' is too large: {parsed.max_tokens} > {room} (this "
-                            f"model's maximum context length is {limit} tokens and the "
-                            f"prompt has {longest})", name, "context_length_exceeded")
-    else:
-        max_tokens = parsed.max_tokens
+    try:
+        max_tokens = checked_max_tokens(max(len(p) for p in prompts), parsed.max_tokens,
+                                        group.max_model_len,
+                                        unset=None if parsed.kind == "chat" else 16,
+                                        name=parsed.max_tokens_param)
+    except ContextLengthExceeded as e:
+        param = e.field if e.field != "prompt" else (
+            "messages" if parsed.kind == "chat" else "prompt")
+        raise ApiError(400, str(e), param, "context_length_exceeded") from None
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=parsed.logprobs,
                               constraint=parsed.constraint, **parsed.sampling)
