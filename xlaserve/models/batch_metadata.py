@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from xlaserve.models.kv_slots import slot_mapping
 from xlaserve.models.llama import AttentionMetadata
 
 
@@ -16,8 +17,8 @@ def one_row_metadata(block_table: np.ndarray, start: int, num_tokens: int, pad_t
     table = np.asarray(block_table, np.int32)
     pos = start + np.arange(pad_to, dtype=np.int32)
     real = np.arange(pad_to) < num_tokens
-    slots = np.where(real, table[np.minimum(pos // block_size, len(table) - 1)] * block_size
-                     + pos % block_size, 0).astype(np.int32)
+    slots = np.zeros(pad_to, np.int32)   # padding writes the null block's slot 0
+    slots[:num_tokens] = slot_mapping(table, start, num_tokens, block_size)
     rows = np.where(real, 0, -1).astype(np.int32)
     return np.where(real, pos, 0).astype(np.int32), AttentionMetadata(table[None], rows, slots)
 
@@ -28,5 +29,5 @@ def decode_metadata(block_tables: np.ndarray, positions: np.ndarray,
     tables = np.asarray(block_tables, np.int32)
     pos = np.asarray(positions, np.int32)
     rows = np.arange(len(pos), dtype=np.int32)
-    slots = tables[rows, pos // block_size] * block_size + pos % block_size
-    return AttentionMetadata(tables, rows, slots.astype(np.int32))
+    slots = [slot_mapping(table, p, 1, block_size)[0] for table, p in zip(tables, pos.tolist())]
+    return AttentionMetadata(tables, rows, np.asarray(slots, np.int32))

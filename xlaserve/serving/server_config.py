@@ -250,7 +250,7 @@ class ServedModel:
         if self.max_inflight < 1 or self.max_queue < 0:
             raise ValueError(f"models[{self.name}]: max_inflight={self.max_inflight} must be "
                              f">= 1 and max_queue={self.max_queue} >= 0")
-        if self.engine == BUILTIN_ENGINE:
+        if self.engine == BUILTIN_ENGINE and self.engine_args:
             # checked here rather than when the engine is built, minutes later
             from xlaserve.serving.engine.config import EngineConfig
 

@@ -10,7 +10,8 @@ import pytest
 
 from xlaserve.serving.runner.host_step import lay_out, sample_rows
 from xlaserve.serving.runner.row_input import RowInput, RowSampling
-from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq, slot_mapping
+from xlaserve.models.kv_slots import slot_mapping
+from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq
 
 BS, V = 4, 8
 

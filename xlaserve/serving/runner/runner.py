@@ -51,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xlaserve.kernels.attention import resolve_backend
 from xlaserve.kernels.cpu import huge_pages
 from xlaserve.models.config import ModelConfig
+from xlaserve.models.kv_slots import slot_mapping
 from xlaserve.models.llama import KVCache, Params, pack_params
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.runner.call_profile import CallProfile
@@ -66,7 +67,7 @@ from xlaserve.serving.runner.sampling import SampleOutput
 from xlaserve.serving.runner.step_channel import Op, StepChannel
 from xlaserve.serving.runner.step_functions import forward_step, sample_step
 from xlaserve.serving.runner.token_mask import all_allowed, mask_as_bias, mask_words
-from xlaserve.serving.scheduler.step_plan import ScheduledSeq, slot_mapping
+from xlaserve.serving.scheduler.step_plan import ScheduledSeq
 from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.parallel_forward import make_forward
 

@@ -57,6 +57,7 @@ from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as Sequence_
 
+from xlaserve.models.kv_slots import slot_mapping
 from xlaserve.serving.kv_cache import KVCacheManager
 from xlaserve.serving.scheduler.config import SchedulerConfig
 from xlaserve.serving.scheduler.drafts import (
@@ -69,12 +70,7 @@ from xlaserve.serving.scheduler.request_checks import check_request, check_sampl
 from xlaserve.serving.scheduler.scheduler_stats import SchedulerStats
 from xlaserve.serving.scheduler.sequence import RequestState, Sequence, SequenceStatus
 from xlaserve.serving.scheduler.step_draft import StepDraft
-from xlaserve.serving.scheduler.step_plan import (
-    PENDING_TOKEN,
-    ScheduledSeq,
-    StepPlan,
-    slot_mapping,
-)
+from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq, StepPlan
 from xlaserve.serving.speculative import (
     BatchProposer,
     DraftProgress,

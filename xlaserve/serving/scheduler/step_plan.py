@@ -12,22 +12,13 @@ A verify row (speculative decoding) feeds its last sampled token and then `num_d
 tokens: [t, d1 .. dk] at positions p .. p + k.  Every one of its positions samples (the runner
 gives it k + 1 sample rows); `sample_position` (p + 1) is still where its first sampled token
 goes, and the scheduler keeps the drafts the target model agrees with (speculative/).
-`slot_mapping()` is the one place that turns positions into cache slots.
+`slot_mapping()` (models/kv_slots.py) is the one place that turns positions into cache slots.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-
 PENDING_TOKEN = -1  # a sampled token the host has not seen yet; the runner substitutes it
-
-
-def slot_mapping(block_table: Sequence[int], start: int, n: int,
-                 block_size: int) -> tuple[int, ...]:
-    """The cache slots (block_id * block_size + offset) of positions start .. start + n - 1."""
-    return tuple(block_table[p // block_size] * block_size + p % block_size
-                 for p in range(start, start + n))
 
 
 @dataclass(frozen=True)
