@@ -47,7 +47,7 @@ class BlockAllocator:
 @dataclass
 class _Row:
     request: BenchRequest
-    slot: int                       # token slot in [1, max_num_seqs]
+    slot: int                       # token cell in [1, max_num_seqs]
     table: list[int]                # reserved for prompt + the batch's longest output
     written: int = 0                # positions whose KV is in the cache
     tokens: list[int] = field(default_factory=list)

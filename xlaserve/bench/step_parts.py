@@ -92,7 +92,7 @@ def part_times(runner: ModelRunner, rows: Sequence[RowInput], repeats: int) -> d
     draft_q = runner._zeros_bias(r)   # the drafts' distributions: unread, no row has a draft
 
     def sample() -> Any:
-        runner.token_slots, out = sampler(logits, runner.token_slots, packed_rows, bias,
+        runner.token_cells, out = sampler(logits, runner.token_cells, packed_rows, bias,
                                           allowed, draft_q)
         return out.tokens
 

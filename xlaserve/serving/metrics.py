@@ -8,7 +8,7 @@ xlaserve's own (admission, rejections, HTTP statuses, step costs, tenants).
     request    time_to_first_token, inter_token_latency (every gap), e2e_request_latency,
                request_queue_time (the admission queue), request_time_per_output_token (one
                per choice: (last - first token) / (tokens - 1)), request_prefill_time (sent
-               to the engine -> first token: its own wait for a batch slot included),
+               to the engine -> first token: its own wait for a batch row included),
                request_decode_time (first -> last token), request_inference_time (the two),
                request_prompt_tokens, request_generation_tokens, request_params_max_tokens,
                request_params_n (histograms); request_success, prompt_tokens,
@@ -164,7 +164,7 @@ class Metrics:
                                     "Time spent in the admission queue", _LATENCY)
         self.prefill_time = per_model("request_prefill_time_seconds", "Per choice: sent to the "
                                       "engine to its first token (the engine's wait for a batch "
-                                      "slot included)", _LATENCY)
+                                      "row included)", _LATENCY)
         self.decode_time = per_model("request_decode_time_seconds",
                                      "Per choice: first token to last token", _LATENCY)
         self.inference_time = per_model("request_inference_time_seconds",

@@ -85,11 +85,11 @@ def test_capacity_and_slots_follow_the_live_replicas():
     async def scenario() -> None:
         adm = AdmissionController(AdmissionConfig(slo_wait_s={"free": 100.0}), 2,
                                   max_queue=10, replicas=lambda: live)
-        assert adm.capacity == 4 and adm.rates().slots == 2
+        assert adm.capacity == 4 and adm.rates().lanes == 2
         held = [await adm.acquire(Tier.FREE, work=W) for _ in range(3)]
         assert adm.running == 3
         live.pop()           # a replica went down: its share of the capacity goes with it
-        assert adm.capacity == 2 and adm.rates().slots == 1
+        assert adm.capacity == 2 and adm.rates().lanes == 1
         queued = asyncio.create_task(adm.acquire(Tier.FREE, work=W))
         await asyncio.sleep(0)
         assert adm.waiting == 1

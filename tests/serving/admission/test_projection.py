@@ -8,7 +8,7 @@ from xlaserve.serving.admission import Rates, Work, queue_wait
 
 # 2 slots; a step every 0.1 s; 100 prompt tokens per second: Work(100, 10) holds a slot
 # 1.0 + 1.0 = 2 s, of which 1 s is prefill (stalling everyone).
-RATES = Rates(slots=2, step_s=0.1, prefill_tokens_per_s=100.0)
+RATES = Rates(lanes=2, step_s=0.1, prefill_tokens_per_s=100.0)
 W = Work(prompt_tokens=100, max_tokens=10)
 
 

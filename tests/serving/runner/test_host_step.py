@@ -50,7 +50,7 @@ def test_a_mixed_step_laid_out_field_by_field() -> None:
     # sample rows: plan rows keep their index; the verify row's two drafts take rows 4 and 5
     assert sample_rows([0, 0, 0, 2]) == ((0,), (1,), (2,), (4, 5, 3))
     assert h.logits_index.tolist() == [0, 3, 5, 8, 6, 7, 0, 0]
-    assert h.row_slot.tolist() == [1, 2, 3, 4, 0, 0, 0, 0]
+    assert h.row_cell.tolist() == [1, 2, 3, 4, 0, 0, 0, 0]
     assert h.sample_mask.tolist() == [True, False, True, True] + [False] * 4
     assert h.temperature.tolist() == [0.5, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
     assert h.top_k.tolist() == [0, 0, 3, 0, 0, 0, 0, 0]      # top_k >= vocab: off

@@ -93,7 +93,7 @@ def test_draft_progress_follows_proposals_and_verifications() -> None:
     assert p.start("a", 4) == 0
     p.proposed(q)                         # fed 1..5, then d1, d2: positions 0..6
     assert p.computed("a") == 7
-    p.check_integrity({"a": 8})           # 4 computed + t + 3 draft slots
+    p.check_integrity({"a": 8})           # 4 computed + t + 3 drafts reserved
     p.settle("a", 6)                      # accepted d1: the target computed 6
     assert p.computed("a") == 6 and p.start("a", 6) == 6
     with pytest.raises(AssertionError, match="draft KV through 6, holds 5"):

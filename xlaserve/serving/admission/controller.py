@@ -3,7 +3,7 @@ the engines at once (a client request with n choices weighs n), a bounded priori
 front, and a work-based projection of each newcomer's wait (projection.py).
 
     arrive --(expected wait > tier SLO)--> Rejected(429 "slo", Retry-After)
-           --(a slot free, nobody ahead)--> run
+           --(a lane free, nobody ahead)--> run
            --(queue full)--> Rejected(429 "queue_full")
            --(otherwise)--> queued, ordered by (tier, priority, arrival) --> run
                                     |-- waited its tier's SLO --> Rejected("timeout")
@@ -19,7 +19,7 @@ the share of the engines' time booked by the requests turned away before it, so 
 retries come back spread out; rounded up, at least 1 s, at most a minute.
 
 The capacity follows the live replicas: a replica that goes down takes its `max_inflight` and
-its sequence slots out of both.  The projection can be wrong (a machine busier than when it was
+its sequence lanes out of both.  The projection can be wrong (a machine busier than when it was
 measured); the SLO then still bounds the wait: a request still queued when its tier's SLO has
 passed is turned away ("timeout"), so no admitted request waited in the queue longer than its
 SLO (or max_queue_wait_s, if shorter).
@@ -110,12 +110,12 @@ class AdmissionController:
 
     def rates(self) -> Rates | None:
         """The live replicas' measured costs, pooled (None: nothing measured yet): their
-        sequence slots, the slowest step, prefill rates summed (they prefill side by side)."""
+        sequence lanes, the slowest step, prefill rates summed (they prefill side by side)."""
         known = [c for c in self._replicas() if c.measured]
         if not known:
             return None
-        # the engines never hold more than the capacity: beyond it, slots stay empty
-        return Rates(slots=min(sum(c.max_running for c in known), self.capacity),
+        # the engines never hold more than the capacity: beyond it, lanes stay empty
+        return Rates(lanes=min(sum(c.max_running for c in known), self.capacity),
                      step_s=max(c.step_s for c in known),
                      prefill_tokens_per_s=sum(c.prefill_tokens_per_s for c in known))
 
@@ -140,7 +140,7 @@ class AdmissionController:
 
     async def acquire(self, tier: Tier, priority: int = 0, weight: int = 1,
                       work: Work = Work()) -> Ticket:
-        """Wait for `weight` slots (engine requests, each costing `work`) or raise Rejected.
+        """Wait for `weight` lanes (engine requests, each costing `work`) or raise Rejected.
         Cancelling the caller leaves the queue clean."""
         assert weight >= 1
         now = self._clock()
@@ -177,7 +177,7 @@ class AdmissionController:
         except TimeoutError:
             # The timer and the grant can land in the same loop iteration: wait_for then
             # raises although _wake() already started the ticket.  The caller is still
-            # here, so it is admitted (rejecting it would leak the slot or waste the grant).
+            # here, so it is admitted (rejecting it would leak the lane or waste the grant).
             if self._granted(fut):
                 return ticket
             self._drop(waiter)
@@ -185,7 +185,7 @@ class AdmissionController:
                                f"waited {bound:g}s in the admission queue, the "
                                f"{tier.name.lower()} tier's objective") from None
         except BaseException:
-            # Cancelled (client gone) or displaced.  If we were granted a slot in the same
+            # Cancelled (client gone) or displaced.  If we were granted a lane in the same
             # instant, hand it on without counting it as a served request.
             if self._granted(fut):
                 self._give_back(ticket)
@@ -214,7 +214,7 @@ class AdmissionController:
         return fut.done() and not fut.cancelled() and fut.exception() is None
 
     def _give_back(self, ticket: Ticket) -> None:
-        """Free the ticket's slots (also for a ticket granted to a caller that had already
+        """Free the ticket's lanes (also for a ticket granted to a caller that had already
         gone, which never ran)."""
         assert not ticket.released
         ticket.released = True
@@ -246,12 +246,12 @@ class AdmissionController:
     def _retry_after(self, drain_s: float, weight: int, work: Work) -> float:
         """When a request turned away now should come back: once the queue has drained for
         `drain_s`, and after the ones turned away before it, each of which booked its share of
-        the engines' time (its service over the slots), so that a burst's retries come back
+        the engines' time (its service over the lanes), so that a burst's retries come back
         spread at the rate the engines can take them rather than all in the same second.  At
         most RETRY_AFTER_MAX_S (a sustained overload would push the horizon ever further)."""
         now = self._clock()
         rates = self.rates()
-        share = weight * rates.service_s(work) / rates.slots if rates is not None else 0.0
+        share = weight * rates.service_s(work) / rates.lanes if rates is not None else 0.0
         self._retry_at = max(self._retry_at, now + drain_s) + share
         return min(self._retry_at - now, RETRY_AFTER_MAX_S)
 

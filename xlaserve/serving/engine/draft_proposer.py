@@ -8,7 +8,7 @@ runner for all of a step's verify rows at once, launched back to back.
       call 0     each row feeds the rest of its tokens (its last sampled token t, after an
                  accepted bonus token also the draft before it) and samples d1
       call j     each row with limit > j feeds d_j (PENDING_TOKEN: the draft runner's own
-                 token slot, sampled by call j - 1 on device) and samples d_(j+1)
+                 token cell, sampled by call j - 1 on device) and samples d_(j+1)
       fetch      the drafts, and for rows at temperature > 0 the distributions q they were
                  drawn from ([limit, V] per row, `probs`), which the verify row takes to the
                  target's sampler (runner/draft_verify.py: accept with min(1, p/q))

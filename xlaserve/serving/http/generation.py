@@ -7,7 +7,7 @@ must happen however it ends; `Admitted`, the request as the pipeline hands it ov
                                    stream ending once; a choice whose replica goes down before
                                    its first token is resubmitted to a live one
     Generation.close()          -> abort unfinished engine requests, release the admission
-                                   slot, settle the tenant's token reservation to what was
+                                   lanes, settle the tenant's token reservation to what was
                                    served, observe metrics, write the audit line  (exactly once)
     Generation.stop(reason)     -> (ServingState.drain) abort the unfinished choices; the
                                    response in progress reports `reason` (a 503)
@@ -38,7 +38,7 @@ from xlaserve.serving.types import EngineEvent, GenerationRequest, SamplingParam
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """A generation request that passed every stage up to admission (`http/pipeline.py`), as
-    its Generation takes it; `Generation.close()` gives back its slot and reservation."""
+    its Generation takes it; `Generation.close()` gives back its admission lanes and reservation."""
     trace: TraceContext
     endpoint: str                 # the request's path, for the audit line
     arrived: float                # time.monotonic() when it came in
@@ -48,7 +48,7 @@ class Admitted:
     prompts: list[list[int]]      # token ids, one list per prompt
     sampling: SamplingParams      # max_tokens resolved against the context length
     reservation: Reservation      # prompt + n x max_tokens tokens held from the tenant's limits
-    ticket: Ticket                # its len(prompts) x n admission slots
+    ticket: Ticket                # its len(prompts) x n admission lanes
     span: Span = INVALID_SPAN     # its request span (telemetry.py), ended by Generation.close
 
 

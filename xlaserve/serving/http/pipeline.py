@@ -245,7 +245,7 @@ def reserve(state: ServingState, principal: Principal, prompts: list[list[int]],
 
 async def admit(state: ServingState, group: ModelGroup, principal: Principal,
                 parsed: ParsedRequest, prompts: list[list[int]], max_tokens: int) -> Ticket:
-    """Wait for len(prompts) x n slots of the group's admission controller, each engine request
+    """Wait for len(prompts) x n lanes of the group's admission controller, each engine request
     costing its mean prompt + max_tokens of work."""
     if not group.ready:
         raise ApiError(503, f"model {group.id!r} is still warming up", None,
@@ -261,7 +261,7 @@ async def admit(state: ServingState, group: ModelGroup, principal: Principal,
 
 
 def start_generation(state: ServingState, admitted: Admitted) -> Generation:
-    """Its Generation (or, failing that, the slot and reservation back, and an audit line).
+    """Its Generation (or, failing that, the admission lanes and reservation back, and an audit line).
     Safety net: a client gone before a streamed body starts never runs the body's `finally`,
     so when this request's task ends, whatever is still open is closed (as a 499)."""
     try:

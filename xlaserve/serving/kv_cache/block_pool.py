@@ -27,7 +27,7 @@ NULL_BLOCK = 0
 
 
 class BlockPool:
-    """Blocks 1..num_blocks-1 of `block_size` token slots each; block 0 is the null block."""
+    """Blocks 1..num_blocks-1 of `block_size` KV slots each; block 0 is the null block."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 2:

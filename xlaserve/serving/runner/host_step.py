@@ -20,13 +20,13 @@ class HostStep(NamedTuple):
     R counts sample rows: one per plan row (at its index, its table in block_tables[i]),
     then one per draft token of its verify rows (`sample_rows`), their tables unused."""
 
-    tokens: np.ndarray        # [T] int32, PENDING_TOKEN = take from its row's token slot
+    tokens: np.ndarray        # [T] int32, PENDING_TOKEN = take from its row's token cell
     positions: np.ndarray     # [T] int32
     token_rows: np.ndarray    # [T] int32, -1 = padding
     slot_mapping: np.ndarray  # [T] int32, padding writes the null block
     block_tables: np.ndarray  # [R, W] int32
     logits_index: np.ndarray  # [R] int32: the token whose logits sample row r samples from
-    row_slot: np.ndarray      # [R] int32
+    row_cell: np.ndarray      # [R] int32
     sample_mask: np.ndarray   # [R] bool
     temperature: np.ndarray   # [R] float32
     top_k: np.ndarray         # [R] int32
@@ -70,7 +70,7 @@ class HostStep(NamedTuple):
         small transfers cost ~8x as much host time): per row [ROW_FIELDS, R] (float32 and
         uint32 fields bit for bit), per token [TOKEN_FIELDS, T], and the block tables
         [R, W].  The bias, rarely there, travels on its own."""
-        rows = np.stack([self.logits_index, self.row_slot, self.sample_mask.astype(np.int32),
+        rows = np.stack([self.logits_index, self.row_cell, self.sample_mask.astype(np.int32),
                          self.temperature.view(np.int32), self.top_k,
                          self.top_p.view(np.int32), self.min_p.view(np.int32),
                          self.seed.view(np.int32), self.counter,
@@ -95,7 +95,7 @@ def sample_rows(num_drafts: Sequence[int]) -> tuple[tuple[int, ...], ...]:
 
 
 # the rows of HostStep.packed()'s buffers
-ROW_FIELDS = ("logits_index", "row_slot", "sample_mask", "temperature", "top_k", "top_p",
+ROW_FIELDS = ("logits_index", "row_cell", "sample_mask", "temperature", "top_k", "top_p",
               "min_p", "seed", "counter", "logprobs", "draft_token")
 TOKEN_FIELDS = ("tokens", "positions", "token_rows", "slot_mapping")
 
@@ -149,7 +149,7 @@ def lay_out(rows: Sequence[RowInput], bucket: tuple[int, int, int], block_size: 
                 draft_probs[sr] = row.draft_probs[j]
                 h.draft_token[sr] = seq.token_ids[k - len(where) + j + 1]
         at += k
-        # only the row's own sample row feeds its token slot (read by a later PENDING_TOKEN)
-        h.row_slot[i] = row.token_slot
+        # only the row's own sample row feeds its token cell (read by a later PENDING_TOKEN)
+        h.row_cell[i] = row.token_cell
         h.sample_mask[i] = seq.sample
     return h._replace(bias=bias, draft_probs=draft_probs)

@@ -1,4 +1,4 @@
-"""One sequence's share of a runner call (`RowInput`: its plan row, token slot and how it
+"""One sequence's share of a runner call (`RowInput`: its plan row, token cell and how it
 samples), and `MaskSource`, how a step's allowed-token masks reach the runner."""
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ MaskSource = Callable[[], np.ndarray | None]
 @dataclass(frozen=True)
 class RowInput:
     """One sequence's share of a call: its row of the step plan (PENDING_TOKEN inputs are
-    filled from the token slot), the token slot its sampled tokens live in on device (in
+    filled from the token cell), the token cell its sampled tokens live in on device (in
     [1, max_num_seqs]), and how it samples.  `ModelRunner.row` makes one by hand."""
 
     seq: ScheduledSeq
-    token_slot: int
+    token_cell: int
     sampling: RowSampling = GREEDY
     # [num_draft, V] float32: the draft model's distribution each draft was drawn from (a
     # verify row of a sampling request under method "draft"); None: point-mass drafts

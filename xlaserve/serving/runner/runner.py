@@ -9,14 +9,14 @@
          each, unpacked inside
       -> two AOT-compiled calls on the mesh (step_functions.py; inputs replicated on every
          device):
-         forward  tokens[PENDING_TOKEN] <- token_slots[row_slot[row]]  (sampled last step)
+         forward  tokens[PENDING_TOKEN] <- token_cells[row_cell[row]]  (sampled last step)
                   logits, kv = forward(...)                 (kv donated: updated in place)
                   one device: models.llama.forward; a bigger mesh: the shard_map forward
                   (sharding/parallel_forward.py), logits [R, V] split over `tensor`
                   logits -> replicated [R, V]               (an all-gather of R x V floats)
          [host: the allowed-token masks of constrained rows, made while the forward runs]
          sample   out = sample(logits, mask)                (per-row seeded sampling)
-                  token_slots[row_slot] <- out.tokens  (for the next step's PENDING_TOKEN)
+                  token_cells[row_cell] <- out.tokens  (for the next step's PENDING_TOKEN)
       -> device arrays, fetched by the caller when it needs them
 
 The forward is compiled per (rows, tokens, width) bucket, the sampler once per row count: the
@@ -24,7 +24,7 @@ sampler's sort costs about as much to compile as the whole scanned model, and de
 rows alone.
 
 The runner owns the device KV cache (placed by sharding.layout.ShardLayout: layers over
-`pipeline`, KV heads over `tensor`) and the token-slot array: both go into every call and come
+`pipeline`, KV heads over `tensor`) and the token-cell array: both go into every call and come
 back out.  Every bucket is compiled in `warmup()`; a shape outside the plan raises instead of
 compiling, so serving never compiles.
 
@@ -159,7 +159,7 @@ class ModelRunner:
             donate_argnames=("kv",),
             out_shardings=(KVCache(kv_sharding, kv_sharding), self.replicated))
         self._jitted_sample = jax.jit(
-            sample_step, donate_argnames=("token_slots",),
+            sample_step, donate_argnames=("token_cells",),
             out_shardings=(self.replicated,
                            SampleOutput(*[self.replicated] * len(SampleOutput._fields))))
         # Multi-host: process 0 broadcasts every call's inputs (and resets) to the others.
@@ -180,7 +180,7 @@ class ModelRunner:
         return self.channel is None or self.channel.is_leader
 
     def reset_state(self) -> None:
-        """Fresh device state: an all-zero KV cache and token slots (after a failed call may
+        """Fresh device state: an all-zero KV cache and token cells (after a failed call may
         have consumed the donated buffers).  On a multi-host mesh every process resets."""
         if self.channel is not None:
             self._require_leader("reset_state")
@@ -192,7 +192,7 @@ class ModelRunner:
                                             self.kv_dtype)
         if self.backend == "cpu":
             huge_pages.advise(self.kv)
-        (self.token_slots,) = self._put(np.zeros(self.max_num_seqs + 1, np.int32))
+        (self.token_cells,) = self._put(np.zeros(self.max_num_seqs + 1, np.int32))
 
     # -- compilation ---------------------------------------------------------------------------
 
@@ -203,10 +203,10 @@ class ModelRunner:
 
         i32 = jnp.int32
         rows = spec((len(ROW_FIELDS), r), i32)
-        forward_args = (self.params, self.kv, self.token_slots, rows,
+        forward_args = (self.params, self.kv, self.token_cells, rows,
                         spec((len(TOKEN_FIELDS), t), i32), spec((r, w), i32))
         v = self.config.vocab_size
-        sample_args = (spec((r, v), jnp.float32), self.token_slots, rows,
+        sample_args = (spec((r, v), jnp.float32), self.token_cells, rows,
                        spec((r, v), jnp.float32), spec((r, mask_words(v)), i32),
                        spec((r, v), jnp.float32))
         return forward_args, sample_args
@@ -294,13 +294,13 @@ class ModelRunner:
                                f"{jax.process_index()} must call follow()")
 
     def row(self, token_ids: Sequence[int], start_position: int, block_table: Sequence[int],
-            token_slot: int, sample: bool = True, sampling: RowSampling = GREEDY) -> RowInput:
+            token_cell: int, sample: bool = True, sampling: RowSampling = GREEDY) -> RowInput:
         """A row made by hand (the draft proposer, calibration, benchmarks), as the scheduler
         would plan it."""
         n = len(token_ids)
         return RowInput(ScheduledSeq("", tuple(token_ids), start_position, tuple(block_table),
                                      slot_mapping(block_table, start_position, n,
-                                                  self.block_size), sample), token_slot,
+                                                  self.block_size), sample), token_cell,
                         sampling)
 
     def bucket(self, rows: Sequence[RowInput]) -> tuple[int, int, int]:
@@ -328,15 +328,15 @@ class ModelRunner:
         r = host.shape[0]
         rows, toks, tables = self._step_inputs(*host.packed())
         bias = self._step_inputs(host.bias)[0] if host.bias is not None else self._zeros_bias(r)
-        self.kv, logits = fn(self.params, self.kv, self.token_slots, rows, toks, tables)
+        self.kv, logits = fn(self.params, self.kv, self.token_cells, rows, toks, tables)
         self._forwarded(host, rows, logits)
         mask = masks() if masks is not None else None
         allowed = self._step_inputs(self._pad_mask(mask, r))[0] if mask is not None else \
             self._all_allowed(r)
         q = self._step_inputs(host.draft_probs)[0] if host.draft_probs is not None else \
             self._zeros_bias(r)   # unread: no row has a draft_token
-        self.token_slots, out = self._compiled_sample[r](
-            logits, self.token_slots, rows, bias, allowed, q)
+        self.token_cells, out = self._compiled_sample[r](
+            logits, self.token_cells, rows, bias, allowed, q)
         return out
 
     def _forwarded(self, host: HostStep, rows: jax.Array, logits: jax.Array) -> None:

@@ -4,13 +4,13 @@ Once a step's rows are chosen, each decode row of a request that speculates and 
 placeholder may take draft tokens from the proposer, up to k and what the budget, the sample
 rows of the largest bucket (max_num_seqs in all: a verify row takes 1 + k) and its max_tokens /
 max_model_len leave; it never preempts for them.  It becomes a verify row [t, d1 .. dk] whose
-KV slots are reserved (Sequence.num_draft_slots) but whose drafts never enter all_token_ids.
+KV slots are reserved (Sequence.num_reserved_drafts) but whose drafts never enter all_token_ids.
 `Scheduler.update` takes its k + 1 samples, keeps the accepted ones
 (speculative/acceptance.py), and `settle_drafts` moves num_computed_tokens past the accepted
 drafts and trims the KV reservation back to it: rejected drafts hold no slot and never reach
 the prefix cache (only computed, known tokens are registered).  The engine reads a speculating
 request's tokens back before scheduling it again (the proposal needs its last token), so a
-verify row never meets a placeholder; a sequence with draft slots is not scheduled again
+verify row never meets a placeholder; a sequence with drafts reserved is not scheduled again
 before its update.
 
     all:  [p p p t P]      row (t, d1, d2), slots for 3      samples (d1, x, y): a = 1
@@ -64,7 +64,7 @@ def propose_drafts(proposer: NgramProposer, kv_cache: KVCacheManager, config: Sc
         tokens = proposer.propose(seq.all_token_ids, limit)
         if not tokens or not kv_cache.allocate_slots(seq.request_id, len(tokens)):
             continue
-        seq.num_draft_slots = len(tokens)
+        seq.num_reserved_drafts = len(tokens)
         out[seq.request_id] = tokens
         budget -= len(tokens)
         spare_rows -= len(tokens)
@@ -76,7 +76,7 @@ def propose_model_drafts(proposer: BatchProposer, k: int, progress: DraftProgres
                          entries: Seq[tuple[Sequence, int]], budget: int
                          ) -> dict[str, tuple[int, ...]]:
     """As propose_drafts, for a draft model: every candidate row (up to `k` drafts each, in
-    scheduling order, while the budget and sample rows last) reserves its draft slots, then
+    scheduling order, while the budget and sample rows last) reserves KV slots for its drafts, then
     one batch proposal fills them all."""
     spare_rows = config.max_num_seqs - len(entries)
     chosen: list[tuple[Sequence, DraftQuery]] = []
@@ -103,7 +103,7 @@ def propose_model_drafts(proposer: BatchProposer, k: int, progress: DraftProgres
             raise ValueError(f"{query.request_id}: the draft proposer returned {len(tokens)} "
                              f"tokens for a limit of {query.limit}")
         progress.proposed(query)
-        seq.num_draft_slots = query.limit
+        seq.num_reserved_drafts = query.limit
         out[seq.request_id] = tuple(tokens)
     return out
 
@@ -122,7 +122,7 @@ def settle_drafts(seq: Sequence, row: ScheduledSeq, kept: tuple[int, ...],
     stats.observe(row.num_draft, accepted)
     if seq.status is SequenceStatus.RUNNING:   # else preempted since: recomputed later
         seq.num_computed_tokens += accepted
-        seq.num_draft_slots = 0
+        seq.num_reserved_drafts = 0
         kv_cache.trim(seq.request_id, seq.num_computed_tokens)
         if progress is not None:
             progress.settle(seq.request_id, seq.num_computed_tokens)

@@ -69,7 +69,7 @@ from xlaserve.serving.scheduler.priority import priority_key, waiting_key
 from xlaserve.serving.scheduler.request_checks import check_request, check_samples
 from xlaserve.serving.scheduler.scheduler_stats import SchedulerStats
 from xlaserve.serving.scheduler.sequence import RequestState, Sequence, SequenceStatus
-from xlaserve.serving.scheduler.step_draft import StepDraft
+from xlaserve.serving.scheduler.step_builder import StepBuilder
 from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq, StepPlan
 from xlaserve.serving.speculative import (
     BatchProposer,
@@ -158,27 +158,27 @@ class Scheduler:
         cfg = self.config
         for seq in self._running.values():
             self._cache_computed(seq)
-        draft = StepDraft(cfg.max_num_batched_tokens)
+        step = StepBuilder(cfg.max_num_batched_tokens)
         order = sorted(self._running.values(),
                        key=lambda s: priority_key(s, now, cfg.aging_seconds))
         decodes = [s for s in order if s.num_remaining == 1]
         chunks = [s for s in order if s.num_remaining > 1]
         for seq in decodes + chunks:
-            if draft.budget == 0:
+            if step.budget == 0:
                 break
             if (seq.status is not SequenceStatus.RUNNING    # preempted earlier in this step
-                    or seq.num_draft_slots                # a verify row not yet updated
+                    or seq.num_reserved_drafts                # a verify row not yet updated
                     or seq.output_limit_reached(cfg.max_model_len, known_only=False)):
                 continue
             n = self._reserve_or_preempt(
-                seq, min(cfg.max_prefill_chunk, draft.budget, seq.num_remaining), draft, now)
+                seq, min(cfg.max_prefill_chunk, step.budget, seq.num_remaining), step, now)
             if n:
-                draft.add(seq, n)
-        if not draft.preempted:
-            self._admit(draft, now)
+                step.add(seq, n)
+        if not step.preempted:
+            self._admit(step, now)
         if self.proposer is not None:
-            self._propose(draft)
-        return self._emit(draft)
+            self._propose(step)
+        return self._emit(step)
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int | Sequence_[int]]
                ) -> dict[str, tuple[int, ...]]:
@@ -226,7 +226,7 @@ class Scheduler:
         for seq in self._seqs.values():
             del seq.all_token_ids[seq.num_known_tokens:]
 
-    def _reserve_or_preempt(self, seq: Sequence, n: int, draft: StepDraft, now: float) -> int:
+    def _reserve_or_preempt(self, seq: Sequence, n: int, step: StepBuilder, now: float) -> int:
         """Reserve slots for up to n more tokens of running `seq` and return how many: a
         prefill chunk shrinks to the room the pool has; one with no room, or a decode,
         preempts the lowest-priority, latest running sequences until it fits (0 when `seq`
@@ -238,16 +238,16 @@ class Scheduler:
                 return fit
             victim = max(self._running.values(), key=lambda s: priority_key(s, now, aging))
             self._preempt(victim)
-            draft.drop(victim)
+            step.drop(victim)
             if victim is seq:
                 return 0
 
-    def _admit(self, draft: StepDraft, now: float) -> None:
+    def _admit(self, step: StepBuilder, now: float) -> None:
         cfg = self.config
         in_flight: set[bytes] | None = None  # built on first need
         for seq in sorted(self._waiting.values(),
                           key=lambda s: waiting_key(s, now, cfg.aging_seconds)):
-            if len(self._running) >= cfg.max_num_seqs or draft.budget == 0:
+            if len(self._running) >= cfg.max_num_seqs or step.budget == 0:
                 return
             if seq.num_pending or seq.output_limit_reached(cfg.max_model_len, known_only=False):
                 continue  # waits for update() / for the engine to finish it
@@ -257,7 +257,7 @@ class Scheduler:
                     in_flight = {h for s in self._running.values() for h in self._unregistered(s)}
                 if prefix.miss_hash in in_flight:
                     continue  # a running request is computing that block: hit it later
-            n = min(cfg.max_prefill_chunk, draft.budget, seq.num_tokens - prefix.num_tokens)
+            n = min(cfg.max_prefill_chunk, step.budget, seq.num_tokens - prefix.num_tokens)
             if not self.kv_cache.allocate_slots(seq.request_id, n, prefix,
                                                 readmitted=seq.num_preemptions > 0):
                 return  # strict priority: nobody jumps a request that does not fit
@@ -267,7 +267,7 @@ class Scheduler:
             seq.status, seq.requeued = SequenceStatus.RUNNING, False
             del self._waiting[seq.request_id]
             self._running[seq.request_id] = seq
-            draft.add(seq, n)
+            step.add(seq, n)
             if in_flight is not None:
                 in_flight.update(self._unregistered(seq))
 
@@ -275,29 +275,29 @@ class Scheduler:
         known = seq.all_token_ids[:seq.num_known_tokens]
         return self.kv_cache.unregistered_block_hashes(seq.request_id, known)
 
-    def _propose(self, draft: StepDraft) -> None:
+    def _propose(self, step: StepBuilder) -> None:
         assert self.proposer is not None and self.speculative is not None
-        entries = list(draft.entries.values())
+        entries = list(step.entries.values())
         if isinstance(self.proposer, NgramProposer):
             drafts = propose_drafts(self.proposer, self.kv_cache, self.config, entries,
-                                    draft.budget)
+                                    step.budget)
         else:
             assert self.draft_progress is not None
             drafts = propose_model_drafts(self.proposer, self.speculative.num_speculative_tokens,
                                           self.draft_progress, self.kv_cache, self.config,
-                                          entries, draft.budget)
-        draft.drafts.update(drafts)
-        draft.budget -= sum(len(d) for d in drafts.values())
+                                          entries, step.budget)
+        step.drafts.update(drafts)
+        step.budget -= sum(len(d) for d in drafts.values())
 
-    def _emit(self, draft: StepDraft) -> StepPlan:
+    def _emit(self, step: StepBuilder) -> StepPlan:
         bs = self.config.block_size
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
-        for rid, (seq, n) in draft.entries.items():
+        for rid, (seq, n) in step.entries.items():
             start = seq.num_computed_tokens
             table = self.kv_cache.block_table(rid)
             sample = start + n == seq.num_tokens
-            drafts = draft.drafts.get(rid, ())
+            drafts = step.drafts.get(rid, ())
             m = n + len(drafts)
             row = ScheduledSeq(rid, tuple(seq.all_token_ids[start:start + n]) + drafts, start,
                                table, slot_mapping(table, start, m, bs), sample, len(drafts))
@@ -305,7 +305,7 @@ class Scheduler:
             if sample:
                 seq.all_token_ids.append(PENDING_TOKEN)
             (decodes if m == 1 and sample else prefills).append(row)
-        plan = StepPlan(self._num_steps, tuple(decodes), tuple(prefills), tuple(draft.preempted))
+        plan = StepPlan(self._num_steps, tuple(decodes), tuple(prefills), tuple(step.preempted))
         self._num_steps += 1
         if not plan.is_empty:
             self._in_flight.append(plan)
@@ -316,7 +316,7 @@ class Scheduler:
         self.kv_cache.free(seq.request_id)
         if self.draft_progress is not None:
             self.draft_progress.forget(seq.request_id)
-        seq.num_computed_tokens = seq.num_draft_slots = 0
+        seq.num_computed_tokens = seq.num_reserved_drafts = 0
         seq.status, seq.requeued = SequenceStatus.WAITING, True
         seq.num_preemptions += 1
         self._num_preemptions += 1
@@ -371,10 +371,10 @@ class Scheduler:
                 assert rid in self._running
                 assert 0 < seq.num_computed_tokens <= seq.num_tokens, rid
                 assert (self.kv_cache.num_tokens(rid)
-                        == seq.num_computed_tokens + seq.num_draft_slots), rid
+                        == seq.num_computed_tokens + seq.num_reserved_drafts), rid
             else:
                 assert rid in self._waiting and seq.num_computed_tokens == 0, rid
-                assert seq.num_draft_slots == 0, f"{rid}: waiting with draft slots"
+                assert seq.num_reserved_drafts == 0, f"{rid}: waiting with drafts reserved"
 
     def _get(self, request_id: str) -> Sequence:
         try:

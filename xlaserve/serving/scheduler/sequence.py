@@ -34,7 +34,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prefix-hit tokens at first admission
     num_preemptions: int = 0
     requeued: bool = False               # preempted and waiting: goes ahead of equal peers
-    num_draft_slots: int = 0             # KV slots reserved for draft tokens in flight
+    num_reserved_drafts: int = 0         # KV slots reserved for draft tokens in flight
     num_draft_tokens: int = 0            # draft tokens verified for it so far
     num_accepted_tokens: int = 0         # of those, accepted
 

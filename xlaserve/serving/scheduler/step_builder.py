@@ -10,7 +10,7 @@ from xlaserve.serving.scheduler.sequence import Sequence
 
 
 @dataclass
-class StepDraft:
+class StepBuilder:
     """One step under construction: tokens per sequence, in scheduling order."""
 
     budget: int

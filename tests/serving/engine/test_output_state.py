@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from xlaserve.serving.engine.request_state import OutputState
+from xlaserve.serving.engine.output_state import OutputState
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.serving.types import GenerationRequest, SamplingParams
 
