@@ -1,6 +1,7 @@
 """The size bounds docs/architecture.md's package map relies on, so that a reader can hold any
-file of the serving core in mind: no module over 400 lines and no function over 80 in
-`xlaserve/serving`, `models` and `sharding` (protoc's generated gRPC stubs excepted)."""
+file in mind: no module over 400 lines and no function over 80 in `xlaserve/serving`,
+`models`, `sharding`, `kernels`, `checkpoints` and `bench` (protoc's generated gRPC stubs
+excepted)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "xlaserve"
-PACKAGES = ("serving", "models", "sharding")
+PACKAGES = ("serving", "models", "sharding", "kernels", "checkpoints", "bench")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 80
+# Known offenders, each failing the bound today (strict: one that passes must leave the list).
+# checkpoints/ is being edited on another branch, which is to split it.
+KNOWN = {"checkpoints/gguf_file.py": "read_gguf is 112 lines, not yet split"}
 
 
 def modules() -> list[Path]:
@@ -20,10 +24,18 @@ def modules() -> list[Path]:
 
 
 def test_there_are_modules_to_check() -> None:
-    assert len(modules()) > 50
+    names = {str(p.relative_to(ROOT)) for p in modules()}
+    assert len(names) > 150
+    assert {"kernels/bench/gpu_check.py", "checkpoints/gguf_file.py", "bench/cli.py"} <= names
 
 
-@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def params() -> list[object]:
+    return [pytest.param(p, id=str(p.relative_to(ROOT)), marks=[pytest.mark.xfail(
+        strict=True, reason=KNOWN[str(p.relative_to(ROOT))])]
+        if str(p.relative_to(ROOT)) in KNOWN else []) for p in modules()]
+
+
+@pytest.mark.parametrize("path", params())
 def test_module_and_functions_within_bounds(path: Path) -> None:
     text = path.read_text()
     lines = len(text.splitlines())

@@ -85,10 +85,19 @@ def _layouts(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from xlaserve.bench.workload import WORKLOADS
+    from xlaserve.bench.online_cli import add_online_parser
 
     b = sub.add_parser("bench", help="benchmarks: offline throughput, online serving, startup")
     bsub = b.add_subparsers(dest="bench_command", required=True)
+    _add_offline(bsub)
+    add_online_parser(bsub)
+    for add in (_add_step, _add_quality, _add_startup, _add_spec, _add_layouts):
+        add(bsub)
+
+
+def _add_offline(bsub: argparse._SubParsersAction) -> None:
+    """`bench offline`."""
+    from xlaserve.bench.workload import WORKLOADS
 
     o = bsub.add_parser("offline", help="one workload through engine / static / hf, one table")
     o.add_argument("--model", required=True, help="model folder written by `xlaserve convert`")
@@ -116,10 +125,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="the KV cache's dtype (default: the model's)")
     o.set_defaults(fn=_offline)
 
-    from xlaserve.bench.online_cli import add_online_parser
 
-    add_online_parser(bsub)
-
+def _add_step(bsub: argparse._SubParsersAction) -> None:
+    """`bench step`."""
     st = bsub.add_parser("step", help="each kind of device step timed against its floor "
                          "(read bandwidth and GEMM rate measured in the same run)")
     st.add_argument("--model", required=True, help="model folder written by `xlaserve convert`")
@@ -141,6 +149,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--json", help="write the report as JSON")
     st.set_defaults(fn=_step)
 
+
+def _add_quality(bsub: argparse._SubParsersAction) -> None:
+    """`bench quality`."""
     q = bsub.add_parser("quality", help="a quantized model against its float32 original: "
                         "perplexity, top-1 agreement, logit error, greedy chat agreement")
     q.add_argument("--model", required=True, help="float model folder written by `xlaserve "
@@ -155,6 +166,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--json", help="write the report as JSON")
     q.set_defaults(fn=_quality)
 
+
+def _add_startup(bsub: argparse._SubParsersAction) -> None:
+    """`bench startup`."""
     s = bsub.add_parser("startup", help="load + compile time of the model vs a shallow variant")
     s.add_argument("--model", required=True, help="model folder written by `xlaserve convert`")
     s.add_argument("--variant-layers", type=int, default=2)
@@ -163,6 +177,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", help="write the rows as JSON")
     s.set_defaults(fn=_startup)
 
+
+def _add_spec(bsub: argparse._SubParsersAction) -> None:
+    """`bench spec`."""
     sp = bsub.add_parser("spec", help="a workload without and with speculation (n-gram or "
                          "draft model), interleaved: single-stream TPOT or batch throughput")
     sp.add_argument("--model", required=True, help="model folder written by `xlaserve convert`")
@@ -180,6 +197,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--json", default=None, help="write every figure here")
     sp.set_defaults(fn=_spec)
 
+
+def _add_layouts(bsub: argparse._SubParsersAction) -> None:
+    """`bench layouts`."""
     lay = bsub.add_parser("layouts", help="per-device parameter and KV bytes on mesh layouts")
     lay.add_argument("--model", required=True, help="model folder (only its config is read)")
     lay.add_argument("--meshes", default="configs/tp2.toml,configs/tp3.toml,configs/pp2.toml,"
