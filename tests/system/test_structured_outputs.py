@@ -2,7 +2,8 @@
 `xlaserve serve` on SmolLM2 (the session's `front` server): `beta.chat.completions.parse` with a
 Pydantic model, json_object, a regex and a choice at temperature 1, tool_choice required and
 named, a whole tool loop, and streamed tool calls reassembled.  20 samples per claim, batched
-with n so that the suite stays fast."""
+with n so that the suite stays fast (choice i of a call samples with seed + i, so the calls'
+seeds are N apart: 20 distinct samples)."""
 
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ def client(front) -> openai.OpenAI:
                          max_retries=0, timeout=120)
 
 
-def _samples(client: openai.OpenAI, count: int = 20, **kw) -> list:
+def _samples(client: openai.OpenAI, count: int = 20, temperature: float = 1.0, **kw) -> list:
     choices = []
-    for seed in range(count // N):
-        r = client.chat.completions.create(model=MODEL, n=N, seed=seed, temperature=1.0, **kw)
+    for seed in range(0, count, N):   # choice i of a call samples with seed + i: distinct
+        r = client.chat.completions.create(model=MODEL, n=N, seed=seed, temperature=temperature,
+                                           **kw)
         choices += r.choices
     assert len(choices) == count
     return choices
@@ -92,14 +94,22 @@ def test_parse_streamed_pydantic_model_20_of_20(client):
     assert len(got) == 20 and all(isinstance(p, City) for p in got)
 
 
-def test_json_object_always_parses(client):
-    for c in _samples(client, 8, messages=[{"role": "user", "content": "Give me a JSON "
-                                            "object describing a cat."}],
-                      response_format={"type": "json_object"}, max_tokens=40):
-        if c.finish_reason == "stop":
-            assert isinstance(json.loads(c.message.content), dict)
-        else:   # cut by max_tokens: still a prefix of JSON the grammar allowed
-            assert c.message.content.startswith("{")
+def test_json_object_finishes_and_parses(client):
+    """20 distinct samples at temperature 0.7: every one that ends by "stop" is a JSON object,
+    and at least 18 end so (measured: 19; SmolLM2-135M sometimes loops inside a string until
+    max_tokens, at temperature 1 five of 20 did, at 0.5 three: the grammar holds the text to
+    a JSON prefix, it cannot make the model close it)."""
+    ask = [{"role": "user", "content": 'Reply with a JSON object {"name": ..., "color": ...} '
+            "for a cat."}]
+    samples = _samples(client, messages=ask, response_format={"type": "json_object"},
+                       max_tokens=120, temperature=0.7)
+    assert len({c.message.content for c in samples}) >= 15   # 20 seeds (measured: 19 texts)
+    stopped = [c for c in samples if c.finish_reason == "stop"]
+    assert len(stopped) >= 18, [c.message.content for c in samples if c not in stopped]
+    for c in stopped:
+        assert isinstance(json.loads(c.message.content), dict), c.message.content
+    for c in samples:
+        assert c.finish_reason in ("stop", "length") and c.message.content.startswith("{")
 
 
 def test_regex_and_choice_hold_at_temperature_1(client):
