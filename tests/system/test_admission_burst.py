@@ -2,8 +2,8 @@
 projects each newcomer's wait from the work ahead of it (prompt + max_tokens) over the engine's
 measured step costs, so the requests it admits wait in its queue within the SLO (p99, from the
 server's audit lines) and get their first token within the SLO plus the step in flight and the
-step with their prefill; the rest get 429 with a Retry-After that grows with the queue, and the
-server then answers normally."""
+step with their prefill, as the server's audit and as the client measure it; the rest get 429
+with a Retry-After that grows with the queue, and the server then answers normally."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tests.system.conftest import MODEL, HttpServer, free_port, wait_for, write_
 BURST = 40
 MAX_TOKENS = 24
 SLO_S = 3.0          # configs/burst.toml, internal tier
+CLIENT_MARGIN_S = 1.0   # the client's own share of a first token: connect, gateway, SSE read
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +45,10 @@ async def stream_one(client: httpx.AsyncClient, url: str, i: int) -> dict:
     body = {"model": MODEL, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": f"Count from {i} to {i + 30}."}]}
+    sent_at = time.monotonic()
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         out = {"status": r.status_code, "retry_after": r.headers.get("Retry-After"),
-               "tokens": 0, "answered_at": time.monotonic()}
+               "tokens": 0, "answered_at": time.monotonic(), "ttft_s": None}
         if r.status_code == 429:   # turned away on arrival ("overloaded_slo") or from the queue
             out["code"] = json.loads(await r.aread())["error"]["code"]
             return out
@@ -54,6 +56,9 @@ async def stream_one(client: httpx.AsyncClient, url: str, i: int) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if out["ttft_s"] is None and any(c["delta"].get("content")
+                                             for c in chunk["choices"]):
+                out["ttft_s"] = time.monotonic() - sent_at   # as the client sees it
             if chunk.get("usage"):
                 out["tokens"] = chunk["usage"]["completion_tokens"]
     return out
@@ -95,21 +100,28 @@ def test_burst_admits_within_the_slo_and_429s_the_rest(burst_server):
     assert p99([a["queue_s"] for a in served]) <= SLO_S, served
     # its first token: the step in flight when it was admitted, then the one with its prefill
     assert p99([a["ttft_s"] for a in served]) <= SLO_S + 2 * one_step, served
+    # and as the client measures it (its connection, the gateway and the SSE write included)
+    client_ttft = [r["ttft_s"] for r in ok]
+    assert all(t is not None for t in client_ttft), client_ttft
+    assert p99(client_ttft) <= SLO_S + 2 * one_step + CLIENT_MARGIN_S, client_ttft
     assert all(r["tokens"] == MAX_TOKENS for r in ok), [r["tokens"] for r in ok]
     retry = [int(r["retry_after"]) for r in rejected]
     assert all(1 <= s <= 60 for s in retry), retry
-    # Each request turned away on arrival books its share of the engines' time (at least its
-    # decode steps over the 4 slots), so the later of a quick run of them are told to come
-    # back later.  Rejections further apart than that (a slow client, a fast box) may all
-    # rightly hear 1 s; when they came faster than they booked by more than 1.5 s (a margin
-    # over the 1 s that makes two rounded-up values differ), they cannot all hear the same.
-    on_arrival = [r for r in rejected if r["code"] == "overloaded_slo"]
+    # Each request turned away on arrival books its share of the engines' time (its decode
+    # steps over the 4 lanes, at least) on one horizon that only moves forward, so the times
+    # they are told to come back at (answer + Retry-After) never move back by more than the
+    # 1 s that rounding up takes and the client's lag in reading the answer, and they move
+    # forward by a share each.  The share is the projection's step cost at the time, a moving
+    # estimate that the burst itself raises: the figure read after it is up to ~2x what the
+    # rejections booked (measured 0.56 s against 0.30 s), so a third of it is the bound.
+    on_arrival = sorted((r for r in rejected if r["code"] == "overloaded_slo"),
+                        key=lambda r: r["answered_at"])
+    assert len(on_arrival) >= 2, [r["code"] for r in rejected]
     share = MAX_TOKENS * step_s / 4
-    at = [r["answered_at"] for r in on_arrival]
-    span = max(at) - min(at) if at else 0.0
-    if (len(on_arrival) - 1) * share - span > 1.5:
-        booked = [int(r["retry_after"]) for r in on_arrival]
-        assert len(set(booked)) >= 2, (booked, share, span)   # grows with the queue
+    back = [r["answered_at"] + int(r["retry_after"]) for r in on_arrival]
+    slack = 1.0 + CLIENT_MARGIN_S
+    assert all(b >= a - slack for a, b in zip(back, back[1:])), (back, share)
+    assert back[-1] - back[0] >= (len(back) - 1) * share / 3 - slack, (back, share)
 
     assert wait_for(srv.engine_idle, 30)
     turned_away = srv.metric("xlaserve_rejections_total", reason="slo")
