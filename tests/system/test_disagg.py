@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -233,16 +234,31 @@ def _stream_then_drop(split: Split, ids: list[int], after_chunks: int) -> None:
                     break   # the client goes away mid-stream
 
 
+def _send_then_close(split: Split, body: dict, until: Callable[[], bool]) -> None:
+    """POST `body` on a raw connection and close it, unread, once `until()` holds."""
+    data = json.dumps(body).encode()
+    conn = socket.create_connection(("127.0.0.1", split.front.port))
+    try:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % len(data) + data)
+        assert wait_for(until, 30, interval=0.005), split.stats()
+    finally:
+        conn.close()
+
+
 def test_client_gone_in_decode_or_prefill_frees_every_block(split, prompts):
     _stream_then_drop(split, prompts[-1], after_chunks=5)          # in decode
     assert wait_for(split.idle, 20), split.stats()
+    # gone before the first token: once a prefill worker runs the prompt (4 chunks of 128),
+    # and before the decode part reached the decode worker's engine
     long_prompt = [t for p in prompts[4:] for t in p][:480]
-    body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 20, "stream": True}
-    try:   # gone before the first token: during prefill
-        httpx.post(split.front.url + "/v1/completions", json=body, timeout=0.3)
-    except httpx.TimeoutException:
-        pass
+    decoded = split.decode.stats().num_finished
+    _send_then_close(split, {"model": MODEL, "prompt": long_prompt, "max_tokens": 20,
+                             "stream": True},
+                     until=lambda: any(w.stats().num_running for w in split.prefills))
     assert wait_for(split.idle, 30), split.stats()
+    assert split.decode.stats().num_finished == decoded   # it never got to decode
 
 
 def _finished(workers: list[Worker]) -> list[tuple[int, int]]:
@@ -319,10 +335,16 @@ def test_prefill_worker_killed_mid_request_is_retried_on_the_other(split, prompt
     before = _finished(split.prefills)
     t = threading.Thread(target=send)
     t.start()
-    assert wait_for(lambda: any(w.stats().num_running for w in split.prefills), 30)
-    victim = next(w for w in split.prefills if w.stats().num_running)
+    running: list[Worker] = []   # the worker seen running it, by the same poll that saw it
+
+    def started() -> bool:
+        running.extend(w for w in split.prefills if w.stats().num_running)
+        return bool(running)
+
+    assert wait_for(started, 30, interval=0.005)
+    victim = running[0]
+    split.kill(victim)   # its 4 chunks of 128 take far longer than this poll's few ms
     other = split.prefills[1 - split.prefills.index(victim)]
-    split.kill(victim)
     t.join(120)
     assert not t.is_alive(), "the request hung after its prefill worker died"
     assert result["status"] == 200, result
