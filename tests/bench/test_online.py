@@ -70,10 +70,13 @@ def test_sweep_of_two_rates(make_server, tokenizer) -> None:
             assert d["p50"] <= d["p90"] <= d["p99"], (m, d)
         assert s["ttft_s"]["n"] == 15 and s["e2e_s"]["n"] == 15
         assert s["itl_s"]["n"] == sum(r.max_tokens - 1 for r in requests)
-        # timings the fake engine dictates, with room for a shared 2-core machine
-        assert PREFILL + TOKEN <= s["ttft_s"]["p50"] <= PREFILL + TOKEN + 0.15
-        assert TOKEN * 0.9 <= s["itl_s"]["p50"] <= TOKEN + 0.03
-        assert TOKEN * 0.9 <= s["tpot_s"]["p50"] <= TOKEN + 0.03
+        # timings the fake engine dictates: never faster than its delays; how much slower
+        # a loaded 2-core box makes them is no claim of the client's, but the two ways of
+        # measuring a token's time (each gap; a request's decode time over its tokens) agree
+        assert PREFILL + TOKEN <= s["ttft_s"]["p50"]
+        assert TOKEN * 0.9 <= s["itl_s"]["p50"] and TOKEN * 0.9 <= s["tpot_s"]["p50"]
+        assert s["itl_s"]["p50"] == pytest.approx(s["tpot_s"]["p50"], rel=0.25)
+        assert s["ttft_s"]["p50"] < s["e2e_s"]["p50"]
         # sent on the seeded Poisson schedule, never early, late only by the client's lag
         planned = poisson_arrivals(15, s["rate"], options.seed)
         assert [by_id[r.request_id]["scheduled_s"] for r in requests] == list(planned)

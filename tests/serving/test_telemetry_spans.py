@@ -7,6 +7,8 @@ request's spans say why; tracing is off (a no-op tracer) without an endpoint."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -54,9 +56,11 @@ def seconds(span: ReadableSpan) -> float:
 def test_one_trace_per_request_under_the_clients_traceparent(make_server):  # noqa: F811
     srv = make_server(token_delay=TOKEN, prefill_delay=PREFILL)
     srv.state.telemetry, exporter = recorder()
+    start = time.monotonic()
     r = httpx.post(srv.url + "/v1/chat/completions", headers={"traceparent": TRACEPARENT},
                    json={"model": "fake", "n": 2, "max_tokens": 4,
                          "messages": [{"role": "user", "content": "one two three"}]})
+    wall = time.monotonic() - start
     assert r.status_code == 200 and r.headers["traceparent"] == TRACEPARENT
     assert wait_for(lambda: any(s.name.startswith("POST") for s in exporter.get_finished_spans()))
     by = tree(exporter.get_finished_spans())
@@ -89,8 +93,11 @@ def test_one_trace_per_request_under_the_clients_traceparent(make_server):  # no
                 if parent_of(s) == e.context.span_id}
         assert set(kids) == {"prefill", "decode"}
         assert kids["prefill"].end_time == first.timestamp == kids["decode"].start_time
-        assert PREFILL <= seconds(kids["prefill"]) < PREFILL + 0.5
-        assert 3 * TOKEN * 0.9 <= seconds(kids["decode"]) < 3 * TOKEN + 0.5
+        # as long as the fake engine's delays at least, and within the request as the client
+        # timed it (how much longer a loaded box makes them is not the spans' claim)
+        assert PREFILL <= seconds(kids["prefill"])
+        assert 3 * TOKEN * 0.9 <= seconds(kids["decode"])
+        assert seconds(kids["prefill"]) + seconds(kids["decode"]) <= wall
         assert e.start_time == kids["prefill"].start_time
         assert e.end_time == kids["decode"].end_time
     assert len(exporter.get_finished_spans()) == 1 + 3 + 2 * 3

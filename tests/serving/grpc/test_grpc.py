@@ -44,9 +44,9 @@ def test_generate_stream_models_health_deadline_cancel(tokenizer):
                 health = health_pb2_grpc.HealthStub(ch)
                 await asyncio.sleep(0.3)
                 h = await health.Check(health_pb2.HealthCheckRequest(
-                    service="xlaserve.v1.Generation"), timeout=2)
+                    service="xlaserve.v1.Generation"), timeout=30)
                 assert h.status == health_pb2.HealthCheckResponse.SERVING
-                models = await stub.ListModels(pb.ListModelsRequest(), timeout=2)
+                models = await stub.ListModels(pb.ListModelsRequest(), timeout=30)
                 assert [(m.name, m.max_model_len) for m in models.models] == [("fake", 512)]
 
                 prompt = tokenizer.encode("one two three four")
@@ -63,13 +63,13 @@ def test_generate_stream_models_health_deadline_cancel(tokenizer):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.Generate(pb.GenerateRequest(
                         prompt_token_ids=[5, 6], sampling=pb.SamplingParams(max_tokens=0)),
-                        timeout=2).read()
+                        timeout=30).read()
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 # the HTTP API's check of max_tokens against the context (types.py)
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.Generate(pb.GenerateRequest(
                         prompt_token_ids=[5, 6], sampling=pb.SamplingParams(max_tokens=511)),
-                        timeout=2).read()
+                        timeout=30).read()
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert e.value.details() == ("'max_tokens' is too large: 511 > 510 (this model's "
                                              "maximum context length is 512 tokens and the "

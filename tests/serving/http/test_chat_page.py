@@ -111,9 +111,10 @@ def test_chat_page_streams_an_answer_and_explains_errors(make_server, tokenizer,
         rate = float(stats.split(" tokens/s")[0].rsplit(" ", 1)[1])
         # The page's own clock against the test's: no figure of a loaded machine is asserted,
         # only that the page's TTFT lies between the engine's first delay and the moment the
-        # test saw the first text, and its rate between the engine's and the test's whole wait.
+        # test saw the first text, and its rate is at least what the test's whole wait gives
+        # (no upper bound: a loaded box delivers chunks the engine spaced out in bunches).
         assert TOKEN_DELAY * 1e3 <= ttft_ms <= first_seen * 1e3, (stats, first_seen)
-        assert (tokens - 1) / all_seen <= rate <= 1.2 / TOKEN_DELAY, stats
+        assert (tokens - 1) / all_seen <= rate < float("inf"), stats
 
         engine.ready = False               # the server's error, said plainly
         say(browser, "Are you there?")
