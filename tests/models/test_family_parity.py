@@ -1,0 +1,43 @@
+"""Every dense family against transformers in float32 (tests/family_models.py): the whole
+prompt at once, in chunks through the paged cache and token by token, with the jnp reference
+and with the CPU kernels on packed weights (the engine's one-device layout)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.family_models import FAMILY_VARIANTS, convert_family
+from tests.helpers import full_logits, max_rel_error
+from xlaserve.models.llama import pack_params
+from xlaserve.serving.loading import load_model
+
+_IDS = np.random.default_rng(1).integers(3, 256, size=100).tolist()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """name -> (model, transformers' logits [100, V]), converted once for both backends."""
+    out = {}
+    for name in FAMILY_VARIANTS:
+        folder, hf = convert_family(name, tmp_path_factory.mktemp(name))
+        with torch.no_grad():
+            out[name] = (load_model(folder), hf(torch.tensor([_IDS])).logits[0].numpy())
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("name", sorted(FAMILY_VARIANTS))
+def test_family_logits_match_transformers(name: str, backend: str, converted: dict) -> None:
+    model, ref = converted[name]
+    params = pack_params(model.params) if backend == "cpu" else model.params
+    c = model.config
+    assert c.architecture == FAMILY_VARIANTS[name]["model_type"].removesuffix("_text")
+    assert np.abs(ref).max() > 0.5   # logits large enough that the family's scales show
+    whole = full_logits(params, c, _IDS, backend=backend)
+    assert max_rel_error(whole, ref) < 1e-4
+    chunked = full_logits(params, c, _IDS, chunk=23, backend=backend)
+    assert max_rel_error(chunked, ref) < 1e-4
+    decoded = full_logits(params, c, _IDS[:40], chunk=1, backend=backend)
+    assert max_rel_error(decoded, ref[:40]) < 1e-4
