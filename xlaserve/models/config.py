@@ -231,6 +231,11 @@ class ModelConfig:
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    def first_layers(self, n: int) -> "ModelConfig":
+        """The config of this model's first `n` layers (a draft, a startup probe)."""
+        kinds = None if self.layer_kinds is None else self.layer_kinds[:n]
+        return self.replace(num_layers=n, layer_kinds=kinds)
+
     # -- serialisation -------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
