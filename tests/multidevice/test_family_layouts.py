@@ -20,8 +20,16 @@ from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.mesh import MeshConfig, make_mesh
 from xlaserve.sharding.parallel_forward import make_sharded_forward
 
-from .scenarios import (BLOCK_SIZE, NUM_BLOCKS, decode_after_prefill, make_step,
-                        ragged_prefill, reference, run, used_blocks)
+from .scenarios import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    decode_after_prefill,
+    make_step,
+    ragged_prefill,
+    reference,
+    run,
+    used_blocks,
+)
 
 LAYOUTS = {"tp2": MeshConfig(tensor=2), "pp2": MeshConfig(pipeline=2),
            "tp2xpp2": MeshConfig(tensor=2, pipeline=2)}

@@ -12,8 +12,14 @@ import numpy as np
 import pytest
 
 from tests.helpers import full_logits, max_rel_error
-from tests.serving.engine.conftest import (TINY_ENGINE_CONFIG, collect, request, run_joining,
-                                           text_of, tokens_of)
+from tests.serving.engine.conftest import (
+    TINY_ENGINE_CONFIG,
+    collect,
+    request,
+    run_joining,
+    text_of,
+    tokens_of,
+)
 from xlaserve.models.config import ModelConfig, RopeScaling
 from xlaserve.models.llama import init_params, pack_params
 from xlaserve.serving.engine import LLMEngine
