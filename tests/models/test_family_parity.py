@@ -1,6 +1,7 @@
 """Every dense family against transformers in float32 (tests/family_models.py): the whole
 prompt at once, in chunks through the paged cache and token by token, with the jnp reference
-and with the CPU kernels on packed weights (the engine's one-device layout)."""
+and with the CPU kernels on packed weights (the engine's one-device layout); Gemma 2 with the
+Pallas kernels too."""
 
 from __future__ import annotations
 
@@ -41,3 +42,19 @@ def test_family_logits_match_transformers(name: str, backend: str, converted: di
     assert max_rel_error(chunked, ref) < 1e-4
     decoded = full_logits(params, c, _IDS[:40], chunk=1, backend=backend)
     assert max_rel_error(decoded, ref[:40]) < 1e-4
+
+
+def test_family_logits_with_the_pallas_kernels(converted: dict) -> None:
+    """The Pallas kernels (interpreted on CPU) on the family whose attention differs most from
+    Llama's: Gemma 2's soft caps, head_dim 256, sliding and full layers (the other families'
+    differences lie outside the attention kernels); Triton, with no sliding-window decode, is
+    refused for it by name."""
+    from xlaserve.kernels.attention import check_model_backend
+
+    model, ref = converted["gemma2-d256"]
+    with pytest.raises(ValueError, match="'triton'.*gemma2.*sliding_window=24"):
+        check_model_backend(model.config, "triton")
+    whole = full_logits(model.params, model.config, _IDS, backend="pallas")
+    assert max_rel_error(whole, ref) < 1e-4
+    decoded = full_logits(model.params, model.config, _IDS[:12], chunk=1, backend="pallas")
+    assert max_rel_error(decoded, ref[:12]) < 1e-4
