@@ -10,7 +10,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from xlaserve.checkpoints.errors import CheckpointError
-from xlaserve.checkpoints.family_tensors import adapted
+from xlaserve.checkpoints.family_tensors import adapted, adapted_int8
 from xlaserve.checkpoints.gguf_file import gguf_tokenizer_fields, read_gguf
 from xlaserve.checkpoints.layout import params_from_hf
 from xlaserve.checkpoints.store import CONFIG_FILE, atomic_folder, check_output, save_params
@@ -45,8 +45,10 @@ def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
     config = model.config
     with atomic_folder(out, overwrite, src) as tmp:
         # --quantize int8: Q8_0 matrices are copied as the int8 they are (gguf_file.py)
-        get_int8 = model.get_int8 if quantize == "int8" else None
-        params = params_from_hf(config, model.get, _bar(f"reading {Path(src).name}", quiet),
+        m = model.residual_multiplier
+        get_int8 = adapted_int8(config, model.get_int8 if quantize == "int8" else None, m)
+        get = adapted(config, model.get, residual_multiplier=m, norms_hold_one=True)
+        params = params_from_hf(config, get, _bar(f"reading {Path(src).name}", quiet),
                                 get_int8)
         config, params = quantized(config, params, quantize)
         save_params(tmp, params)
