@@ -5,6 +5,8 @@ Pallas kernels too."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -58,3 +60,18 @@ def test_family_logits_with_the_pallas_kernels(converted: dict) -> None:
     assert max_rel_error(whole, ref) < 1e-4
     decoded = full_logits(model.params, model.config, _IDS[:12], chunk=1, backend="pallas")
     assert max_rel_error(decoded, ref[:12]) < 1e-4
+
+
+def test_longrope_takes_its_short_factors_in_a_short_context(tmp_path: Path) -> None:
+    """Phi-3's LongRoPE served at max_model_len <= original_max_position_embeddings (64 here)
+    uses the short factors, which transformers uses for a sequence that short; beyond it the
+    long ones (the parity above, on 100 tokens)."""
+    folder, hf = convert_family("phi3-longrope-partial", tmp_path)
+    model = load_model(folder)
+    short = model.config.for_context(64)
+    assert short.max_position_embeddings == 64 and model.config.for_context(512) == model.config
+    ids = _IDS[:40]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    assert max_rel_error(full_logits(model.params, short, ids), ref) < 1e-4
+    assert max_rel_error(full_logits(model.params, model.config, ids), ref) > 1e-3

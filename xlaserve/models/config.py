@@ -231,6 +231,14 @@ class ModelConfig:
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    def for_context(self, max_model_len: int) -> "ModelConfig":
+        """The config served at a context of `max_model_len` tokens: LongRoPE takes its short
+        factors when that fits in original_max_position_embeddings (models/rope.py)."""
+        rs = self.rope_scaling
+        if rs is None or rs.kind != "longrope" or max_model_len >= self.max_position_embeddings:
+            return self
+        return self.replace(max_position_embeddings=max_model_len)
+
     def first_layers(self, n: int) -> "ModelConfig":
         """The config of this model's first `n` layers (a draft, a startup probe)."""
         kinds = None if self.layer_kinds is None else self.layer_kinds[:n]

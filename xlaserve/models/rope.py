@@ -8,8 +8,9 @@ pairs sit at (j, j + D/2) (checkpoints/family_tensors.py: a permutation applied 
 leaves q.k unchanged), and the pairs j >= R/2 get frequency 0 here: cos 1, sin 0, passed
 through.  LongRoPE picks its long factors for the whole model when it runs beyond
 `original_max_position_embeddings` (ModelConfig.max_position_embeddings, which the engine caps
-at its max_model_len), its short factors otherwise: each request gets one RoPE for all of its
-tokens, where transformers switches when a sequence crosses that length."""
+at its max_model_len: ModelConfig.for_context), its short factors otherwise, as llama.cpp
+does by its context size: each request gets one RoPE for all of its tokens, where
+transformers recomputes a sequence with the long factors once it crosses that length."""
 
 from __future__ import annotations
 

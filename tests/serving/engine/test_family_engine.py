@@ -69,7 +69,8 @@ def test_family_engine_batches_speculates_and_shares_prefixes(name: str, tokeniz
     prompts = [list(rng.integers(3, 49152, n)) for n in (5, 21, 40, 9, 33, 2)]
     out, compiled = run_joining(engine, prompts)
     assert compiled == 0, f"{compiled} compilations after warm-up"
-    alone = SequenceGenerator(engine.runner.params, config, max_len=64,
+    assert (engine.runner.config.max_position_embeddings == 64) == (name == "phi3")
+    alone = SequenceGenerator(engine.runner.params, engine.runner.config, max_len=64,
                               attention_backend=engine.runner.backend)
     outputs = []
     for i, ids in enumerate(prompts):
