@@ -75,3 +75,37 @@ def test_longrope_takes_its_short_factors_in_a_short_context(tmp_path: Path) -> 
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     assert max_rel_error(full_logits(model.params, short, ids), ref) < 1e-4
     assert max_rel_error(full_logits(model.params, model.config, ids), ref) > 1e-3
+
+
+def test_gemma3_image_text_checkpoint_serves_its_text_tower(tmp_path: Path, caplog) -> None:
+    """A `gemma3` (Gemma3ForConditionalGeneration) checkpoint: its text tower converted, the
+    vision weights skipped with one log line, text logits as transformers gives them."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from tests.moe_models import save_with_tokenizer
+    from xlaserve.checkpoints.convert import convert_hf
+
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                query_pre_attn_scalar=64, sliding_window=24, max_position_embeddings=512,
+                rms_norm_eps=1e-6)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                       image_token_index=255, boi_token_index=253, eoi_token_index=254)
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.add_(0.1 * torch.randn_like(p)) if "norm" in name else p.mul_(3.0)
+    save_with_tokenizer(hf, tmp_path / "hf")
+    with caplog.at_level("INFO", logger="xlaserve.checkpoints.convert"):
+        convert_hf(tmp_path / "hf", tmp_path / "ours", quiet=True)
+    assert [r.getMessage() for r in caplog.records if "vision" in r.getMessage()] == [
+        "gemma3: serving the text tower; 34 vision tensors skipped"]
+    model = load_model(tmp_path / "ours")
+    assert model.config.architecture == "gemma3" and model.config.qk_norm
+    ids = _IDS[:60]
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0].numpy()
+    assert max_rel_error(full_logits(model.params, model.config, ids), ref) < 1e-4

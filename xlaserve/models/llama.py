@@ -263,7 +263,7 @@ def decoder_layers(
         q, k, v = queries_keys_values(c, layers, (wq, wk, wv), i, x, (heads, kvh, d),
                                        use_kernel, used)
         local = sliding[first_layer + i] if c.mixed_layers else None   # this layer's kind
-        cos, sin = _layer_rope(tables, local)
+        cos, sin = _layer_rope(tables, local, c.layer_kinds)
         q, k_flat, v_flat = rope_kv_write(q, k, v, cos, sin, k_flat, v_flat, i,
                                           meta.slot_mapping, rows_per_layer=per_layer,
                                           use_kernel=use_kernel)
@@ -282,11 +282,14 @@ def decoder_layers(
     return x, k_flat, v_flat
 
 
-def _layer_rope(tables: dict[str, tuple[jax.Array, jax.Array]], sliding: jax.Array | None
-                ) -> tuple[jax.Array, jax.Array]:   # cos, sin [T, D/2]
+def _layer_rope(tables: dict[str, tuple[jax.Array, jax.Array]], sliding: jax.Array | None,
+                kinds: tuple[str, ...] | None) -> tuple[jax.Array, jax.Array]:   # [T, D/2] x 2
     """The RoPE of a layer: the full layers' table, or where the sliding layers have one of
-    their own (Gemma 3), that one when `sliding` (a traced bool)."""
-    if sliding is None or "sliding" not in tables:
+    their own (Gemma 3), that one for a sliding layer: `sliding` (a traced bool) in a model
+    of mixed layers, else every layer's one kind (`kinds`)."""
+    if sliding is None:
+        return tables.get((kinds or ("full",))[0], tables["full"])
+    if "sliding" not in tables:
         return tables["full"]
     cos, sin = (jnp.where(sliding, a, b) for a, b in zip(tables["sliding"], tables["full"]))
     return cos, sin
