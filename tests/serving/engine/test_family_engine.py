@@ -4,7 +4,8 @@ first layer as its draft,
 compile nothing after warm-up and give each request the greedy tokens of the model run alone;
 a prompt that extends a finished one reuses its cached blocks and still gets its own tokens;
 a choice constraint holds.  Int8 weights: each family's quantized logits stay within a stated
-bound of float32 and differ from them, the same with the CPU kernels on int8 panels."""
+bound of float32 and differ from them, the same with the CPU kernels on int8 panels over an
+int8 or a bfloat16 KV cache."""
 
 from __future__ import annotations
 
@@ -105,7 +106,9 @@ def test_family_int8_weights_within_bounds(name: str) -> None:
     err = max_rel_error(got, ref)
     assert 1e-4 < err < 0.05, err
     assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.85
-    # the CPU kernels on int8 panels (a tied head quantized too, see pack_params): as close
-    cpu = full_logits(pack_params(params), int8, ids, backend="cpu")
-    assert 1e-4 < max_rel_error(cpu, ref) < 0.05
-    assert np.mean(cpu.argmax(-1) == ref.argmax(-1)) >= 0.85
+    # the CPU kernels on int8 panels (a tied head quantized too, see pack_params), over an
+    # int8 and a bfloat16 KV cache: as close
+    for kv_dtype in ("int8", "bfloat16"):
+        cpu = full_logits(pack_params(params), int8, ids, backend="cpu", kv_dtype=kv_dtype)
+        assert 1e-4 < max_rel_error(cpu, ref) < 0.05, kv_dtype
+        assert np.mean(cpu.argmax(-1) == ref.argmax(-1)) >= 0.85, kv_dtype
