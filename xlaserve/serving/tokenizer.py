@@ -30,6 +30,10 @@ class Tokenizer:
         self.add_bos: bool = bool(config.get("add_bos_token", False))
         self.bos_token: str | None = config.get("bos_token")
         self.eos_token: str | None = config.get("eos_token")
+        # what chat templates see as bos_token, eos_token, unk_token, pad_token
+        self.special_tokens_map: dict[str, str] = {
+            f"{k}_token": str(config[f"{k}_token"]) for k in ("bos", "eos", "unk", "pad")
+            if config.get(f"{k}_token")}
         self.bos_id: int | None = self.token_to_id(self.bos_token) if self.bos_token else None
         eos_ids = config.get("eos_token_ids")
         if eos_ids is None:
@@ -134,18 +138,35 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            **template_kwargs: Any) -> str:
+        """The model's own Jinja template rendered as transformers renders it: `messages`,
+        `tools` (None when none), `documents`, `add_generation_prompt`, the special tokens
+        (`bos_token`, ...) and `template_kwargs` (a request's chat_template_kwargs, such as
+        Qwen3's `enable_thinking`).  A template that refuses the conversation is a
+        ValueError with its reason and any role the template never names."""
+        from jinja2.exceptions import TemplateError
+
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        extra = {"tools": tools} if tools else {}
-        return _render_chat(self.chat_template, messages, add_generation_prompt,
-                            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                            **extra)
+        try:
+            return _render_chat(self.chat_template, messages=messages, tools=tools,
+                                documents=None, add_generation_prompt=add_generation_prompt,
+                                **{**self.special_tokens_map, **template_kwargs})
+        except TemplateError as e:
+            roles = [r for r in dict.fromkeys(str(m.get("role")) for m in messages)
+                     if f"'{r}'" not in self.chat_template
+                     and f'"{r}"' not in self.chat_template]
+            unknown = "".join(f"; the template has no '{r}' role" for r in roles)
+            raise ValueError(f"{e}{unknown}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, tools=tools),
-                           add_special_tokens=True)
+                    tools: list[dict[str, Any]] | None = None, **template_kwargs: Any
+                    ) -> list[int]:
+        """The rendered conversation's ids.  No BOS is added: the template writes the one it
+        wants (`{{ bos_token }}`), as transformers' apply_chat_template and vLLM tokenize."""
+        return self.encode(self.apply_chat_template(messages, tools=tools, **template_kwargs),
+                           add_special_tokens=False)
 
 
 def _make_byte_decoder() -> dict[str, int]:
@@ -164,22 +185,45 @@ def _make_byte_decoder() -> dict[str, int]:
 BYTE_DECODER = _make_byte_decoder()  # a constant table
 
 
-def _render_chat(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                 **extra: Any) -> str:
+def _render_chat(template: str, **context: Any) -> str:
+    """Jinja as transformers sets it up for chat templates: sandboxed, trim_blocks and
+    lstrip_blocks, loop controls, `{% generation %}` blocks (rendered as their body), a
+    `tojson` that keeps non-ASCII text, `raise_exception` and `strftime_now`."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
-                                                              indent=indent)
+                                        extensions=["jinja2.ext.loopcontrols",
+                                                    _generation_extension()])
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template).render(messages=messages,
-                                            add_generation_prompt=add_generation_prompt, **extra)
+    return env.from_string(template).render(**context)
+
+
+def _generation_extension() -> type:
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant tokens with it
+    for training masks): here it renders its body, nothing else."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+
+    return Generation
 
 
 class IncrementalDetokenizer:
@@ -224,8 +268,30 @@ class IncrementalDetokenizer:
         return delta
 
 
+def hf_stop_ids(src: Path, eos_token_ids: Sequence[int]) -> list[int]:
+    """The ids generation stops at: config.json's `eos_token_id`s (given), those of
+    `generation_config.json` (Qwen2.5 stops at <|im_end|> and <|endoftext|>, Gemma at <eos> and
+    <end_of_turn>, Phi-3 at <|endoftext|>, <|assistant|> and <|end|>), and the tokenizer's
+    eos token, in that order, each once."""
+    ids = [int(i) for i in eos_token_ids]
+    gen_path = src / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids += [int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None]
+    cfg_path = src / TOKENIZER_CONFIG
+    if cfg_path.exists():
+        cfg = json.loads(cfg_path.read_text())
+        eos_token = cfg.get("eos_token")
+        eos_token = eos_token.get("content") if isinstance(eos_token, dict) else eos_token
+        ids += [int(i) for i, v in (cfg.get("added_tokens_decoder") or {}).items()
+                if eos_token is not None and v.get("content") == eos_token]
+    return list(dict.fromkeys(ids))
+
+
 def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> None:
-    """Copy an HF tokenizer (tokenizer.model or tokenizer.json) and distil its config."""
+    """Copy an HF tokenizer (tokenizer.model or tokenizer.json) and distil its config: the
+    chat template (tokenizer_config.json's, else chat_template.jinja), the special tokens, and
+    the stop ids (`hf_stop_ids`)."""
     import shutil
 
     names = [n for n in ("tokenizer.model", "tokenizer.json") if (src / n).exists()]
@@ -247,9 +313,8 @@ def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> 
     kind_spm = (src / "tokenizer.model").exists()
     config = {
         "chat_template": hf_cfg.get("chat_template"),
-        "bos_token": content(hf_cfg.get("bos_token")),
-        "eos_token": content(hf_cfg.get("eos_token")),
-        "eos_token_ids": list(eos_token_ids),
+        **{f"{k}_token": content(hf_cfg.get(f"{k}_token")) for k in ("bos", "eos", "unk", "pad")},
+        "eos_token_ids": hf_stop_ids(src, eos_token_ids),
         # sentencepiece Llama tokenizers add BOS unless told not to
         "add_bos_token": bool(hf_cfg.get("add_bos_token", kind_spm)),
         "special_ids": list(specials),

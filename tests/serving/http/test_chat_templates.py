@@ -1,0 +1,152 @@
+"""Each family's own chat template through the HTTP server: the richest conversation the template
+accepts (system, user, assistant, tool calls and their results where it has them), sent as an
+OpenAI request, reaches the engine as exactly the ids transformers' `apply_chat_template` gives
+for the same conversation in transformers' form (tool-call arguments as objects).  Gemma's
+templates refuse a system role (Gemma 2) or a tool turn: a 400 naming the role.  Stop tokens
+come from generation_config.json.  Tokenizers: tests/chat_templates.py (small, trained there;
+the templates verbatim)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.chat_templates import FAMILIES, tokenizer_folder
+from tests.serving.fake_engine import FakeEngine
+from xlaserve.serving.server_config import ServedModel, ServerConfig
+from xlaserve.serving.tokenizer import Tokenizer, tokenizer_from_hf
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def _call(i: int, city: str) -> dict:
+    return {"id": f"call_{i}", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": city}, ensure_ascii=False)}}
+
+
+TOOL_TURNS = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "What is the weather in Paris and in 東京?"},
+    {"role": "assistant", "content": None, "tool_calls": [_call(1, "Paris"), _call(2, "東京")]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18°C, sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "22°C, rain"},
+    {"role": "assistant", "content": "Paris: 18°C, sunny. 東京: 22°C, rain."},
+    {"role": "user", "content": "Thanks! And tomorrow?"}]
+PLAIN_TURNS = [{"role": "system", "content": "You are a terse assistant."},
+               {"role": "user", "content": "What is the weather in Paris?"},
+               {"role": "assistant", "content": "  18°C and sunny.  "},
+               {"role": "user", "content": "And in 東京?"}]
+# per family: (request fields) for each conversation its template renders in full
+CASES = {
+    "qwen2.5": [{"messages": TOOL_TURNS, "tools": [WEATHER]}, {"messages": PLAIN_TURNS}],
+    "qwen3": [
+        {"messages": TOOL_TURNS, "tools": [WEATHER]},
+        # after the last user turn: the earlier reasoning is rendered in <think>
+        {"messages": TOOL_TURNS[:2] + [{**TOOL_TURNS[2], "reasoning_content": "Two cities."}]
+         + TOOL_TURNS[3:5], "tools": [WEATHER]},
+        {"messages": PLAIN_TURNS, "chat_template_kwargs": {"enable_thinking": False}}],
+    "gemma2": [{"messages": PLAIN_TURNS[1:]}],
+    "gemma3": [{"messages": PLAIN_TURNS}],
+    "phi3.5": [{"messages": PLAIN_TURNS}],
+    "granite3.3": [{"messages": TOOL_TURNS, "tools": [WEATHER]}, {"messages": PLAIN_TURNS}],
+}
+
+
+def transformers_form(messages: list[dict]) -> list[dict]:
+    """The conversation as transformers' docs write it: tool-call arguments as objects, an
+    assistant turn that only calls tools with empty content."""
+    out = copy.deepcopy(messages)
+    for m in out:
+        if m.get("content") is None:
+            m["content"] = ""
+        for c in m.get("tool_calls") or []:
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, tuple[Path, Tokenizer]]:
+    """family -> (its HF folder, xlaserve's tokenizer converted from it)."""
+    out = {}
+    for name in FAMILIES:
+        root = tmp_path_factory.mktemp(name.replace(".", "_"))
+        src = tokenizer_folder(name, root / "hf")
+        (root / "xla").mkdir()
+        eos = json.loads((src / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+        eos_id = next(int(i) for i, v in eos.items() if v["content"] == FAMILIES[name].eos)
+        tokenizer_from_hf(src, root / "xla", [eos_id])
+        out[name] = (src, Tokenizer.load(root / "xla"))
+    return out
+
+
+@pytest.fixture
+def server(make_server, folders):
+    """One live server with a fake engine per family (model name = family)."""
+    config = ServerConfig(models=tuple(ServedModel(name) for name in FAMILIES))
+    engines = {m.id: [FakeEngine(folders[m.name][1], m.name)] for m in config.models}
+    return make_server(config, engines), engines
+
+
+def _post(srv, body: dict) -> httpx.Response:
+    return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def test_each_family_template_gives_transformers_ids(server, folders) -> None:
+    from transformers import AutoTokenizer
+
+    srv, engines = server
+    for name, cases in CASES.items():
+        hf = AutoTokenizer.from_pretrained(folders[name][0])
+        engine = next(e[0] for e in engines.values() if e[0].model_name == name)
+        for case in cases:
+            r = _post(srv, {"model": name, "max_tokens": 1, **case})
+            assert r.status_code == 200, (name, r.text)
+            want = hf.apply_chat_template(
+                transformers_form(case["messages"]), tools=case.get("tools"),
+                add_generation_prompt=True, tokenize=True, return_dict=False,
+                **case.get("chat_template_kwargs", {}))
+            got = engine.submitted[-1].prompt_token_ids
+            assert list(got) == list(want), (name, hf.decode(got), hf.decode(want))
+            if name.startswith("qwen") and "tools" in case:   # the calls, in Hermes syntax
+                assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京"}}' \
+                    '\n</tool_call>' in hf.decode(got)
+
+
+@pytest.mark.parametrize("family, messages, role", [
+    ("gemma2", PLAIN_TURNS, "System role not supported"),
+    ("gemma2", TOOL_TURNS[1:], "the template has no 'tool' role"),
+    ("gemma3", TOOL_TURNS, "the template has no 'tool' role")])
+def test_a_role_the_template_refuses_is_a_400_naming_it(server, family, messages, role) -> None:
+    r = _post(server[0], {"model": family, "max_tokens": 1, "messages": messages})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert role in err["message"] and err["param"] == "messages", err
+
+
+def test_stop_tokens_from_generation_config(folders) -> None:
+    for name, (src, tok) in folders.items():
+        fam = FAMILIES[name]
+        want = {tok.token_to_id(t) for t in (fam.eos, *fam.stops)}
+        assert set(tok.eos_ids) == want, name
+    gemma = folders["gemma2"][1]
+    assert gemma.token_to_id("<end_of_turn>") in gemma.eos_ids
+
+
+def test_bad_template_kwargs_and_arguments_name_the_field(server) -> None:
+    srv = server[0]
+    r = _post(srv, {"model": "qwen3", "messages": PLAIN_TURNS,
+                    "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == \
+        "chat_template_kwargs.add_generation_prompt", r.text
+    bad = copy.deepcopy(TOOL_TURNS)
+    bad[2]["tool_calls"][1]["function"]["arguments"] = "{not json"
+    r = _post(srv, {"model": "qwen2.5", "messages": bad, "tools": [WEATHER]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == \
+        "messages[2].tool_calls[1].function.arguments", r.text
