@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
+MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|tool_call|>", "<|python_tag|>",
+           "<tool_call>", "</tool_call>", "<think>", "</think>")
 
 
 class Tokenizer:
@@ -42,6 +44,14 @@ class Tokenizer:
         self.special_ids: frozenset[int] = frozenset(
             int(i) for i in config.get("special_ids", [])) | frozenset(self.eos_ids) | (
             frozenset([self.bos_id]) if self.bos_id is not None else frozenset())
+        if kind == "bpe":   # the tokenizer's own special tokens, whatever the config says
+            self.special_ids |= frozenset(
+                int(i) for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        # special tokens that open a tool call (Mistral's [TOOL_CALLS], Granite's
+        # <|tool_call|>, ...) or a reasoning block: decoded as text even when special tokens
+        # are skipped, so that the response parsers (http/tool_syntax.py) see them
+        self.marker_ids: frozenset[int] = frozenset(
+            i for i in map(self.token_to_id, MARKERS) if i is not None)
         specials = sorted(config.get("special_tokens", []), key=len, reverse=True)
         self._special_re = (re.compile("(" + "|".join(re.escape(s) for s in specials) + ")")
                             if specials and kind == "sentencepiece" else None)
@@ -123,10 +133,27 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
         if skip_special_tokens:
-            ids = [i for i in ids if i not in self.special_ids]
+            ids = [i for i in ids if i not in self.special_ids or i in self.marker_ids]
+            if self.marker_ids.intersection(ids):
+                return self._decode_around_markers(ids)
         if self.kind == "sentencepiece":
             return str(self._backend.decode(ids))
         return str(self._backend.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def _decode_around_markers(self, ids: list[int]) -> str:
+        """The ids between marker tokens decoded as usual, each marker as its own text."""
+        out: list[str] = []
+        run: list[int] = []
+        for i in [*ids, -1]:
+            if i in self.marker_ids or i == -1:
+                out.append(self.decode(run) if run else "")
+                run = []
+                if i != -1:
+                    out.append(str(self._backend.id_to_piece(i) if self.kind == "sentencepiece"
+                                   else self._backend.id_to_token(i)))
+            else:
+                run.append(i)
+        return "".join(out)
 
     # -- chat ------------------------------------------------------------------------------
 
