@@ -1,4 +1,5 @@
-"""Each family's own chat template through the HTTP server: the richest conversation the template
+"""Each family's own chat template (Qwen2.5, Qwen3, Gemma 2 and 3, Phi-3.5, Granite 3.3, Mistral
+Nemo, Llama 3.2) through the HTTP server: the richest conversation the template
 accepts (system, user, assistant, tool calls and their results where it has them), sent as an
 OpenAI request, reaches the engine as exactly the ids transformers' `apply_chat_template` gives
 for the same conversation in transformers' form (tool-call arguments as objects).  Gemma's
@@ -15,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.chat_templates import FAMILIES, tokenizer_folder
+from tests.chat_templates import FAMILIES, converted_tokenizer
 from tests.serving.fake_engine import FakeEngine
 from xlaserve.serving.server_config import ServedModel, ServerConfig
-from xlaserve.serving.tokenizer import Tokenizer, tokenizer_from_hf
+from xlaserve.serving.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",
@@ -26,19 +27,26 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 
 
-def _call(i: int, city: str) -> dict:
-    return {"id": f"call_{i}", "type": "function", "function": {
+def _call(call_id: str, city: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {
         "name": "get_weather", "arguments": json.dumps({"city": city}, ensure_ascii=False)}}
 
 
-TOOL_TURNS = [
-    {"role": "system", "content": "You are a terse assistant."},
-    {"role": "user", "content": "What is the weather in Paris and in 東京?"},
-    {"role": "assistant", "content": None, "tool_calls": [_call(1, "Paris"), _call(2, "東京")]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "18°C, sunny"},
-    {"role": "tool", "tool_call_id": "call_2", "content": "22°C, rain"},
-    {"role": "assistant", "content": "Paris: 18°C, sunny. 東京: 22°C, rain."},
-    {"role": "user", "content": "Thanks! And tomorrow?"}]
+def tool_turns(ids: tuple[str, ...] = ("call_1", "call_2")) -> list[dict]:
+    """system, user, an assistant turn calling a tool once per id, the results, an answer, and
+    the next question."""
+    cities = ("Paris", "東京")[:len(ids)]
+    return [{"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": f"What is the weather in {' and in '.join(cities)}?"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [_call(i, c) for i, c in zip(ids, cities)]},
+            *({"role": "tool", "tool_call_id": i, "content": w}
+              for i, w in zip(ids, ("18°C, sunny", "22°C, rain"))),
+            {"role": "assistant", "content": "Paris: 18°C, sunny. 東京: 22°C, rain."},
+            {"role": "user", "content": "Thanks! And tomorrow?"}]
+
+
+TOOL_TURNS = tool_turns()
 PLAIN_TURNS = [{"role": "system", "content": "You are a terse assistant."},
                {"role": "user", "content": "What is the weather in Paris?"},
                {"role": "assistant", "content": "  18°C and sunny.  "},
@@ -56,6 +64,11 @@ CASES = {
     "gemma3": [{"messages": PLAIN_TURNS}],
     "phi3.5": [{"messages": PLAIN_TURNS}],
     "granite3.3": [{"messages": TOOL_TURNS, "tools": [WEATHER]}, {"messages": PLAIN_TURNS}],
+    # Mistral's template takes call ids of 9 letters and digits; Llama 3.2's one call a turn
+    "mistral-nemo": [{"messages": tool_turns(("a1b2c3d4e", "f5g6h7i8j")), "tools": [WEATHER]},
+                     {"messages": PLAIN_TURNS}],
+    "llama3.2": [{"messages": tool_turns(("call_1",)), "tools": [WEATHER]},
+                 {"messages": PLAIN_TURNS}],
 }
 
 
@@ -74,16 +87,8 @@ def transformers_form(messages: list[dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, tuple[Path, Tokenizer]]:
     """family -> (its HF folder, xlaserve's tokenizer converted from it)."""
-    out = {}
-    for name in FAMILIES:
-        root = tmp_path_factory.mktemp(name.replace(".", "_"))
-        src = tokenizer_folder(name, root / "hf")
-        (root / "xla").mkdir()
-        eos = json.loads((src / "tokenizer_config.json").read_text())["added_tokens_decoder"]
-        eos_id = next(int(i) for i, v in eos.items() if v["content"] == FAMILIES[name].eos)
-        tokenizer_from_hf(src, root / "xla", [eos_id])
-        out[name] = (src, Tokenizer.load(root / "xla"))
-    return out
+    return {name: converted_tokenizer(name, tmp_path_factory.mktemp(name.replace(".", "_")))
+            for name in FAMILIES}
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ marker included, so nothing the model wrote is lost.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -102,9 +103,15 @@ class MarkerCallParser:
             return (self.marker if self._marked else "") + text, []
         for name, args in items:
             n = len(self.calls)
-            self.calls.append(ToolCall(n, f"{self.id_prefix}-{n}", name,
-                                       json.dumps(args, ensure_ascii=False)))
+            self.calls.append(ToolCall(n, self._id(n), name, json.dumps(args, ensure_ascii=False)))
         return "", list(self.calls)
+
+
+    def _id(self, n: int) -> str:
+        """Mistral's templates take back only ids of 9 letters and digits."""
+        if self.marker == MISTRAL:
+            return hashlib.sha256(f"{self.id_prefix}-{n}".encode()).hexdigest()[:9]
+        return f"{self.id_prefix}-{n}"
 
 
 def parse_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
