@@ -3,7 +3,8 @@ reverse (starting `seed % len(prompt)` further along when a seed is given), one 
 after `prefill_delay`, each step `token_delay` seconds.  An EOS id among them ends the request
 with "stop"; stop strings end it with "stop" and are cut off; else "length" at max_tokens.
 With `reply`, it answers that text instead (then EOS), for tests of what the server makes of
-a model's output.  Logprob of the i-th output token: -(i + 1) / 10; its top-k: the next k ids with -(i+1)/10 - j/100.
+a model's output.  Logprob of the i-th output token: -(i + 1) / 10; its top-k: the next k ids
+with -(i+1)/10 - j/100.
 
 It books KV blocks like the real one (ceil(tokens / block_size) per request while it runs) so
 tests can check that every block comes back (`blocks_in_use == 0`), and runs at most
@@ -33,7 +34,7 @@ class FakeEngine:
                  block_size: int = 16, kv_blocks_total: int = 4096, fail_token: int | None = None,
                  reply: str | None = None):
         self.tokenizer = tokenizer
-        # reply: every request answers this text's ids (then an EOS) instead of the reversed prompt
+        # reply: every request answers this text's ids (then an EOS), not the reversed prompt
         self.reply_ids = None if reply is None else [
             *tokenizer.encode(reply, add_special_tokens=False), tokenizer.eos_ids[0]]
         self.model_name = model_name
