@@ -135,13 +135,17 @@ def test_a_role_the_template_refuses_is_a_400_naming_it(server, family, messages
     assert role in err["message"] and err["param"] == "messages", err
 
 
-def test_stop_tokens_from_generation_config(folders) -> None:
+def test_stop_tokens_from_generation_config(server, folders) -> None:
     for name, (src, tok) in folders.items():
         fam = FAMILIES[name]
         want = {tok.token_to_id(t) for t in (fam.eos, *fam.stops)}
         assert set(tok.eos_ids) == want, name
+    srv, engines = server
     gemma = folders["gemma2"][1]
-    assert gemma.token_to_id("<end_of_turn>") in gemma.eos_ids
+    assert _post(srv, {"model": "gemma2", "messages": PLAIN_TURNS[1:2]}).status_code == 200
+    sent = next(e[0] for e in engines.values() if e[0].model_name == "gemma2").submitted[-1]
+    # the engine is told to stop at <end_of_turn> too, whatever config.json's eos_token_id is
+    assert gemma.token_to_id("<end_of_turn>") in sent.sampling.stop_token_ids
 
 
 def test_bad_template_kwargs_and_arguments_name_the_field(server) -> None:
