@@ -155,3 +155,15 @@ def test_content_before_a_marker_streams_and_bad_calls_stay_content(server) -> N
     choice = chat(srv, "mistral-nemo", tools=[WEATHER])
     assert choice["message"] == {"role": "assistant", "content": "[TOOL_CALLS] not a call"}
     assert choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_a_forced_call_is_read_in_the_syntax_its_grammar_writes(server, choice) -> None:
+    """tool_choice required / a named function: the grammar writes Hermes blocks (whatever the
+    family), and they are read back as calls."""
+    srv, answer = server
+    answer("mistral-nemo", '<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+                           '"Paris"}}\n</tool_call>')
+    choice_ = chat(srv, "mistral-nemo", tools=[WEATHER], tool_choice=choice)
+    assert calls_of(choice_["message"]) == [("get_weather", PARIS)]

@@ -13,7 +13,7 @@ from typing import Any
 from xlaserve.serving.http.reasoning import (ReasoningParser, prompt_opens_reasoning,
                                              template_reasons)
 from xlaserve.serving.http.tool_syntax import ToolParser, syntax_of, tool_parser_for
-from xlaserve.serving.http.tools import ToolCall
+from xlaserve.serving.http.tools import ToolCall, Tools
 from xlaserve.serving.tokenizer import Tokenizer
 
 
@@ -53,22 +53,23 @@ class ChatOutputParser:
         return bool(self.tools and self.tools.calls)
 
 
-def chat_parser(tok: Tokenizer, prompt_ids: list[int], tools_active: bool, id_prefix: str
+def chat_parser(tok: Tokenizer, prompt_ids: list[int], tools: Tools | None, id_prefix: str
                 ) -> ChatOutputParser | None:
     """The parser of one chat choice: reasoning when the model's template reasons, tool calls
-    (in the family's syntax) when tools were offered; None when neither."""
+    when tools were offered (in the family's syntax; in Hermes' when tool_choice forced a call,
+    whose grammar writes that syntax: tools.tool_constraint); None when neither."""
     reasoning = None
     if template_reasons(tok.chat_template):
         tail = tok.decode(prompt_ids[-4:], skip_special_tokens=False)
         reasoning = ReasoningParser(in_reasoning=prompt_opens_reasoning(tail))
-    tools = None
-    if tools_active:
+    parser = None
+    if tools is not None and tools.active:
         # a template that does not render tools got xlaserve's Hermes system message
-        syntax = syntax_of(tok.chat_template) if tok.template_takes_tools else "hermes"
-        tools = tool_parser_for(syntax, id_prefix)
-    if reasoning is None and tools is None:
+        own = tok.template_takes_tools and tools.choice == "auto"
+        parser = tool_parser_for(syntax_of(tok.chat_template) if own else "hermes", id_prefix)
+    if reasoning is None and parser is None:
         return None
-    return ChatOutputParser(reasoning, tools)
+    return ChatOutputParser(reasoning, parser)
 
 
 def message_body(parser: ChatOutputParser | None, text: str) -> dict[str, Any]:

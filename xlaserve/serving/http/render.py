@@ -186,10 +186,8 @@ def parsed_chunks(base: dict[str, Any], ev: EngineEvent, parser: ChatOutputParse
 
 def chat_parser_of(gen: Generation, c: Choice) -> ChatOutputParser | None:
     """The output parser of a chat choice (reasoning, tool calls; http/chat_output.py)."""
-    tools = gen.admitted.parsed.tools
     return chat_parser(gen.group.tokenizer, gen.admitted.prompts[c.prompt_index],
-                       tools is not None and tools.active,
-                       f"call_{gen.admitted.trace.request_id}_{c.index}")
+                       gen.admitted.parsed.tools, f"call_{gen.admitted.trace.request_id}_{c.index}")
 
 
 def response_id(gen: Generation) -> str:
