@@ -2,7 +2,8 @@
 `tokenizers` library the way each family's tokenizer.json is (its pre-tokenizer regex, HF's
 spelling; Qwen's NFC normalizer; Llama 3's ignore_merges), trained on a small corpus, written
 into a GGUF as llama.cpp's converter writes one (`tokenizer.ggml.pre` naming the family), and
-converted by xlaserve: the same ids as the HF tokenizer on numbers, code and non-Latin text."""
+converted by xlaserve: the same ids as the HF tokenizer on numbers, code and non-Latin text, and
+the GGUF's chat template (Qwen2.5's, Llama 3.2's) rendered to the ids transformers gives."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.chat_templates import LLAMA3_2, QWEN2_5
 from tests.helpers import finish_gguf
 from xlaserve.checkpoints.gguf_file import gguf_tokenizer_fields
 from xlaserve.checkpoints.gguf_tokenizer import tokenizer_from_gguf
@@ -23,12 +25,14 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-FAMILIES = {  # gguf pre name, split regex, NFC, ignore_merges, specials (bos, eos)
-    "qwen2": ("qwen2", QWEN2_SPLIT, True, False, ["<|endoftext|>", "<|im_start|>",
-                                                   "<|im_end|>"]),
-    "llama3": ("llama-bpe", LLAMA3_SPLIT, False, True, ["<|begin_of_text|>",
-                                                        "<|end_of_text|>", "<|eot_id|>"]),
+FAMILIES = {  # gguf pre name, split regex, NFC, ignore_merges, specials (bos, eos, other)
+    "qwen2": ("qwen2", QWEN2_SPLIT, True, False, ["<|endoftext|>", "<|im_end|>",
+                                                   "<|im_start|>"]),
+    "llama3": ("llama-bpe", LLAMA3_SPLIT, False, True, [
+        "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>",
+        "<|end_header_id|>"]),
 }
+TEMPLATES = {"qwen2": QWEN2_5, "llama3": LLAMA3_2}   # tokenizer.chat_template
 TEXT = ("In 2024, 1234567 people paid $3.50 (or 1,000.25 EUR) on 2024-12-04T20:36:44Z.\n"
         "def square(x: int) -> int:\n    return x ** 2  # I'M SURE it's fine, they'LL see\n\n"
         "\tfor i in range(10_000): print(f\"{i:08d}\")\r\n"
@@ -78,6 +82,7 @@ def write_gguf(tok, family: str, path: Path) -> None:
     w.add_eos_token_id(vocab[specials[1]])
     if family == "llama3":
         w.add_eot_token_id(vocab[specials[2]])
+    w.add_chat_template(TEMPLATES[family])
     finish_gguf(w)
 
 
@@ -119,3 +124,22 @@ def test_unknown_pre_tokenizer_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tokenizer.ggml.pre 'deepseek-llm' is not supported"):
         tokenizer_from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre":
                              "deepseek-llm", "tokenizer.ggml.tokens": ["a", "b"]}, tmp_path)
+
+
+def test_gguf_chat_template_gives_transformers_ids(converted) -> None:
+    """`tokenizer.chat_template` of the GGUF, rendered by xlaserve over the converted vocabulary:
+    the ids transformers gives for the HF tokenizer with that template."""
+    from transformers import PreTrainedTokenizerFast
+
+    family, hf, ours = converted
+    _, *_, specials = FAMILIES[family]
+    ref = PreTrainedTokenizerFast(tokenizer_object=hf, bos_token=specials[0],
+                                  eos_token=specials[1 if family == "qwen2" else 2])
+    ref.chat_template = TEMPLATES[family]
+    msgs = [{"role": "system", "content": "Answer in 3 words."},
+            {"role": "user", "content": "What is 1234 + 5678? 中文, русский."},
+            {"role": "assistant", "content": "It is 6912."},
+            {"role": "user", "content": "def f(x): return x ** 2 -- and f(12)?"}]
+    want = ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+    assert ours.encode_chat(msgs) == list(want), family
