@@ -80,3 +80,16 @@ def test_chat_template_and_specials(tok: Tokenizer) -> None:
 def test_token_bytes_spell_the_text(tok: Tokenizer, text: str) -> None:
     """Each token's own bytes (a piece of a character included) concatenate to the UTF-8."""
     assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == text.encode("utf-8")
+
+
+def test_template_jinja_as_transformers_sets_it_up(tok: Tokenizer) -> None:
+    """`{% generation %}` blocks render their body, `tojson` takes transformers' arguments, the
+    special tokens and `tools` (None when none) are defined, kwargs reach the template."""
+    import copy
+
+    t = copy.copy(tok)
+    t.chat_template = ("{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}"
+                       "{% endfor %}{{ {'b': 1, 'a': 'é'} | tojson(sort_keys=True) }}"
+                       "{{ tools is none }}{{ eos_token }}{{ flag }}")
+    assert t.apply_chat_template([{"role": "user", "content": "x"}], flag=7) == \
+        '[x]{"a": "é", "b": 1}True<|im_end|>7'
