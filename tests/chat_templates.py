@@ -210,6 +210,9 @@ PHI3_5 = r'''{% for message in messages %}{% if message['role'] == 'system' and 
 '}}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>
 ' }}{% else %}{{ eos_token }}{% endif %}'''
 
+# microsoft/phi-4
+PHI4 = r'''{% for message in messages %}{% if (message['role'] == 'system') %}{{'<|im_start|>system<|im_sep|>' + message['content'] + '<|im_end|>'}}{% elif (message['role'] == 'user') %}{{'<|im_start|>user<|im_sep|>' + message['content'] + '<|im_end|>'}}{% elif (message['role'] == 'assistant') %}{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}'''
+
 # ibm-granite/granite-3.3-2b-instruct
 GRANITE3_3 = r'''{# Alias tools -> available_tools #}
 {%- if tools and not available_tools -%}
@@ -489,6 +492,8 @@ FAMILIES: dict[str, Family] = {
     "phi3.5": Family(PHI3_5, ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>",
                               "<|end|>", "<|user|>", "<|system|>"), "<s>", "<|endoftext|>",
                      "<|endoftext|>", False, ("<|end|>", "<|assistant|>", "<|endoftext|>")),
+    "phi4": Family(PHI4, ("<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>"),
+                   "<|endoftext|>", "<|im_end|>", "<|endoftext|>", False, ("<|im_end|>",)),
     "granite3.3": Family(GRANITE3_3, ("<|end_of_text|>", "<|start_of_role|>",
                                       "<|end_of_role|>", "<|tool_call|>", "<|start_of_cite|>",
                                       "<|end_of_cite|>"), "<|end_of_text|>", "<|end_of_text|>",

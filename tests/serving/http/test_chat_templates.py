@@ -1,5 +1,5 @@
-"""Each family's own chat template (Qwen2.5, Qwen3, Gemma 2 and 3, Phi-3.5, Granite 3.3, Mistral
-Nemo, Llama 3.2) through the HTTP server: the richest conversation the template
+"""Each family's own chat template (Qwen2.5, Qwen3, Gemma 2 and 3, Phi-3.5 and 4, Granite 3.3,
+Mistral Nemo, Llama 3.2) through the HTTP server: the richest conversation the template
 accepts (system, user, assistant, tool calls and their results where it has them), sent as an
 OpenAI request, reaches the engine as exactly the ids transformers' `apply_chat_template` gives
 for the same conversation in transformers' form (tool-call arguments as objects).  Gemma's
@@ -63,6 +63,7 @@ CASES = {
     "gemma2": [{"messages": PLAIN_TURNS[1:]}],
     "gemma3": [{"messages": PLAIN_TURNS}],
     "phi3.5": [{"messages": PLAIN_TURNS}],
+    "phi4": [{"messages": PLAIN_TURNS}],
     "granite3.3": [{"messages": TOOL_TURNS, "tools": [WEATHER]}, {"messages": PLAIN_TURNS}],
     # Mistral's template takes call ids of 9 letters and digits; Llama 3.2's one call a turn
     "mistral-nemo": [{"messages": tool_turns(("a1b2c3d4e", "f5g6h7i8j")), "tools": [WEATHER]},
