@@ -1,9 +1,10 @@
-"""Byte-level BPE vocabularies of Qwen2 and Llama 3 through GGUF: a tokenizer built here with the
-`tokenizers` library the way each family's tokenizer.json is (its pre-tokenizer regex, HF's
-spelling; Qwen's NFC normalizer; Llama 3's ignore_merges), trained on a small corpus, written
+"""Byte-level BPE vocabularies of Qwen2, Llama 3 and Mistral Nemo (tekken) through GGUF: a
+tokenizer built here with the `tokenizers` library the way each family's tokenizer.json is (its
+pre-tokenizer regex, HF's spelling; Qwen's NFC normalizer; Llama 3's and tekken's
+ignore_merges), trained on a small corpus, written
 into a GGUF as llama.cpp's converter writes one (`tokenizer.ggml.pre` naming the family), and
 converted by xlaserve: the same ids as the HF tokenizer on numbers, code and non-Latin text, and
-the GGUF's chat template (Qwen2.5's, Llama 3.2's) rendered to the ids transformers gives."""
+the GGUF's chat template (Qwen2.5's, Llama 3.2's, Nemo's) rendered to the ids transformers gives."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chat_templates import LLAMA3_2, QWEN2_5
+from tests.chat_templates import LLAMA3_2, MISTRAL_NEMO, QWEN2_5
 from tests.helpers import finish_gguf
 from xlaserve.checkpoints.gguf_file import gguf_tokenizer_fields
 from xlaserve.checkpoints.gguf_tokenizer import tokenizer_from_gguf
@@ -25,14 +26,20 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Mistral Nemo's (tekken): case changes split words, digits one by one
+TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 FAMILIES = {  # gguf pre name, split regex, NFC, ignore_merges, specials (bos, eos, other)
     "qwen2": ("qwen2", QWEN2_SPLIT, True, False, ["<|endoftext|>", "<|im_end|>",
                                                    "<|im_start|>"]),
     "llama3": ("llama-bpe", LLAMA3_SPLIT, False, True, [
         "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>",
         "<|end_header_id|>"]),
+    "tekken": ("tekken", TEKKEN_SPLIT, False, True, ["<s>", "</s>", "[INST]", "[/INST]"]),
 }
-TEMPLATES = {"qwen2": QWEN2_5, "llama3": LLAMA3_2}   # tokenizer.chat_template
+TEMPLATES = {"qwen2": QWEN2_5, "llama3": LLAMA3_2, "tekken": MISTRAL_NEMO}
+ADDS_BOS = ("llama3", "tekken")   # llama.cpp's default for these pre-tokenizers
 TEXT = ("In 2024, 1234567 people paid $3.50 (or 1,000.25 EUR) on 2024-12-04T20:36:44Z.\n"
         "def square(x: int) -> int:\n    return x ** 2  # I'M SURE it's fine, they'LL see\n\n"
         "\tfor i in range(10_000): print(f\"{i:08d}\")\r\n"
@@ -113,10 +120,11 @@ def test_gguf_special_ids_and_bos(converted) -> None:
     family, hf, ours = converted
     _, *_, specials = FAMILIES[family]
     ids = [hf.token_to_id(t) for t in specials]
-    if family == "llama3":   # llama.cpp adds BOS for llama-bpe unless the file says not
+    if family in ADDS_BOS:   # llama.cpp adds BOS for these unless the file says not
         assert ours.add_bos and ours.encode("hi")[0] == ids[0]
+    if family == "llama3":
         assert ours.eos_ids == (ids[1], ids[2])               # end_of_text and eot_id
-    else:
+    elif family == "qwen2":
         assert not ours.add_bos and ours.eos_ids == (ids[1],)
 
 
@@ -134,7 +142,7 @@ def test_gguf_chat_template_gives_transformers_ids(converted) -> None:
     family, hf, ours = converted
     _, *_, specials = FAMILIES[family]
     ref = PreTrainedTokenizerFast(tokenizer_object=hf, bos_token=specials[0],
-                                  eos_token=specials[1 if family == "qwen2" else 2])
+                                  eos_token=specials[2 if family == "llama3" else 1])
     ref.chat_template = TEMPLATES[family]
     msgs = [{"role": "system", "content": "Answer in 3 words."},
             {"role": "user", "content": "What is 1234 + 5678? 中文, русский."},

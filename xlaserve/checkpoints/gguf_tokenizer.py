@@ -25,6 +25,10 @@ _GPT4_STYLE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|{digits}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_REGEX = _GPT4_STYLE.replace("{digits}", r"\p{N}{1,3}")
 QWEN2_REGEX = _GPT4_STYLE.replace("{digits}", r"\p{N}")
+# Mistral's tekken (Nemo, Small 3): words split at case changes, digits one by one
+TEKKEN_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 @dataclass(frozen=True)
@@ -44,11 +48,13 @@ _QWEN2 = PreTokenizer(QWEN2_REGEX, nfc=True)
 # tokenizer.ggml.pre -> its pre-tokenizer (names as llama-vocab.cpp reads them); a file without
 # the key is GPT-2's byte-level split, a name not here is refused at conversion.
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
-    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "exaone4"), _GPT2),
+    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion",
+                     "granite-docling"), _GPT2),
     **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell"), _DIGITS),
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), _LLAMA3),
     **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizer(LLAMA3_REGEX)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), _QWEN2),
+    "tekken": PreTokenizer(TEKKEN_REGEX, ignore_merges=True, add_bos=True),
 }
 
 
