@@ -1,9 +1,8 @@
 """Byte-level BPE vocabularies of Qwen2, Llama 3 and Mistral Nemo (tekken) through GGUF: a
 tokenizer built here with the `tokenizers` library the way each family's tokenizer.json is (its
 pre-tokenizer regex, HF's spelling; Qwen's NFC normalizer; Llama 3's and tekken's
-ignore_merges), trained on a small corpus, written
-into a GGUF as llama.cpp's converter writes one (`tokenizer.ggml.pre` naming the family), and
-converted by xlaserve: the same ids as the HF tokenizer on numbers, code and non-Latin text, and
+ignore_merges), trained on a small corpus, written into a GGUF as llama.cpp's converter writes
+one (`tokenizer.ggml.pre` naming the family), and converted by xlaserve: the same ids as the HF tokenizer on numbers, code and non-Latin text, and
 the GGUF's chat template (Qwen2.5's, Llama 3.2's, Nemo's) rendered to the ids transformers gives."""
 
 from __future__ import annotations
