@@ -91,7 +91,8 @@ def test_template_jinja_as_transformers_sets_it_up(tok: Tokenizer) -> None:
     t.chat_template = ("{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}"
                        "{% endfor %}{{ {'b': 1, 'a': 'é'} | tojson(sort_keys=True) }}"
                        "{{ tools is none }}{{ eos_token }}{{ flag }}")
-    assert t.apply_chat_template([{"role": "user", "content": "x"}], flag=7) == \
+    assert t.apply_chat_template([{"role": "user", "content": "x"}],
+                                 template_kwargs={"flag": 7, "self": 1}) == \
         '[x]{"a": "é", "b": 1}True<|im_end|>7'
 
 

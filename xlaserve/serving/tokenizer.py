@@ -166,7 +166,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None,
-                            **template_kwargs: Any) -> str:
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """The model's own Jinja template rendered as transformers renders it: `messages`,
         `tools` (None when none), `documents`, `add_generation_prompt`, the special tokens
         (`bos_token`, ...) and `template_kwargs` (a request's chat_template_kwargs, such as
@@ -177,9 +177,10 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         try:
-            return _render_chat(self.chat_template, messages=messages, tools=tools,
-                                documents=None, add_generation_prompt=add_generation_prompt,
-                                **{**self.special_tokens_map, **template_kwargs})
+            return _render_chat(self.chat_template, {
+                **self.special_tokens_map, **(template_kwargs or {}), "messages": messages,
+                "tools": tools, "documents": None,
+                "add_generation_prompt": add_generation_prompt})
         except TemplateError as e:
             roles = [r for r in dict.fromkeys(str(m.get("role")) for m in messages)
                      if f"'{r}'" not in self.chat_template
@@ -188,11 +189,12 @@ class Tokenizer:
             raise ValueError(f"{e}{unknown}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None, **template_kwargs: Any
-                    ) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The rendered conversation's ids.  No BOS is added: the template writes the one it
         wants (`{{ bos_token }}`), as transformers' apply_chat_template and vLLM tokenize."""
-        return self.encode(self.apply_chat_template(messages, tools=tools, **template_kwargs),
+        return self.encode(self.apply_chat_template(messages, tools=tools,
+                                                    template_kwargs=template_kwargs),
                            add_special_tokens=False)
 
 
@@ -212,7 +214,7 @@ def _make_byte_decoder() -> dict[str, int]:
 BYTE_DECODER = _make_byte_decoder()  # a constant table
 
 
-def _render_chat(template: str, **context: Any) -> str:
+def _render_chat(template: str, context: dict[str, Any]) -> str:
     """Jinja as transformers sets it up for chat templates: sandboxed, trim_blocks and
     lstrip_blocks, loop controls, `{% generation %}` blocks (rendered as their body), a
     `tojson` that keeps non-ASCII text, `raise_exception` and `strftime_now`."""
@@ -233,7 +235,7 @@ def _render_chat(template: str, **context: Any) -> str:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template).render(**context)
+    return env.from_string(template).render(context)
 
 
 def _generation_extension() -> type:

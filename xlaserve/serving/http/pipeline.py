@@ -173,7 +173,7 @@ def tokenize(parsed: ParsedRequest, group: ModelGroup) -> list[list[int]]:
         try:
             messages, tools = render_messages(parsed.messages, parsed.tools,
                                               tok.template_takes_tools)
-            return [tok.encode_chat(messages, tools, **parsed.chat_template_kwargs)]
+            return [tok.encode_chat(messages, tools, parsed.chat_template_kwargs)]
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 (any template error, raise_exception too)
