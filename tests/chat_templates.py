@@ -471,7 +471,8 @@ class Family:
     bos: str | None
     eos: str
     pad: str | None
-    add_bos: bool                  # tokenizer_config.json add_bos_token
+    add_bos: bool | None           # tokenizer_config.json add_bos_token (None: not set, the
+                                   # tokenizer.json post-processor adds BOS: Llama 3's)
     stops: tuple[str, ...]         # generation_config.json eos_token_id, as tokens
     plain: tuple[str, ...] = ()    # added tokens that are not special (Qwen's <tool_call>)
 
@@ -505,7 +506,7 @@ FAMILIES: dict[str, Family] = {
     "llama3.2": Family(LLAMA3_2, ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                                   "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
                                   "<|python_tag|>"), "<|begin_of_text|>", "<|eot_id|>", None,
-                       True, ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")),
+                       None, ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")),
 }
 
 
@@ -520,8 +521,9 @@ def tokenizer_folder(name: str, folder: Path) -> Path:
     """An HF tokenizer folder of family `name`: a small byte-level BPE trained here with the
     family's added tokens (special, and not: Qwen's <tool_call>), its tokenizer_config.json
     (the real chat template, bos/eos/pad, add_bos_token, added_tokens_decoder) and
-    generation_config.json (its stop tokens)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    generation_config.json (its stop tokens).  A family that starts prompts with BOS has the
+    post-processor that adds it, as its real tokenizer.json has."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     fam = FAMILIES[name]
     tok = Tokenizer(models.BPE())
@@ -531,6 +533,10 @@ def tokenizer_folder(name: str, folder: Path) -> Path:
     tok.train_from_iterator(CORPUS + [fam.template], trainers.BpeTrainer(
         vocab_size=500, special_tokens=list(added), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if fam.add_bos is not False:
+        bos = (fam.bos, added.index(fam.bos))
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{fam.bos} $A", pair=f"{fam.bos} $A {fam.bos} $B", special_tokens=[bos])
     data = json.loads(tok.to_str())
     for t in data["added_tokens"]:
         t["special"] = t["content"] in fam.specials
@@ -540,7 +546,8 @@ def tokenizer_folder(name: str, folder: Path) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": fam.template,
         "bos_token": fam.bos, "eos_token": fam.eos, "pad_token": fam.pad,
-        "add_bos_token": fam.add_bos, "clean_up_tokenization_spaces": False,
+        **({} if fam.add_bos is None else {"add_bos_token": fam.add_bos}),
+        "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {str(i): {"content": t, "special": t in fam.specials,
                                           "lstrip": False, "rstrip": False,
                                           "normalized": False, "single_word": False}

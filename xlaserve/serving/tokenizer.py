@@ -317,6 +317,19 @@ def hf_stop_ids(src: Path, eos_token_ids: Sequence[int]) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+def _post_processor_adds(path: Path, token: str | None) -> bool:
+    """Does the tokenizer.json at `path` put `token` before an encoded text?"""
+    if token is None or not path.exists():
+        return False
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(str(path))
+    i = tok.token_to_id(token)
+    with_specials = tok.encode("a", add_special_tokens=True).ids
+    without = tok.encode("a", add_special_tokens=False).ids
+    return i is not None and with_specials[:1] == [i] and without[:1] != [i]
+
+
 def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> None:
     """Copy an HF tokenizer (tokenizer.model or tokenizer.json) and distil its config: the
     chat template (tokenizer_config.json's, else chat_template.jinja), the special tokens, and
@@ -344,8 +357,11 @@ def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> 
         "chat_template": hf_cfg.get("chat_template"),
         **{f"{k}_token": content(hf_cfg.get(f"{k}_token")) for k in ("bos", "eos", "unk", "pad")},
         "eos_token_ids": hf_stop_ids(src, eos_token_ids),
-        # sentencepiece Llama tokenizers add BOS unless told not to
-        "add_bos_token": bool(hf_cfg.get("add_bos_token", kind_spm)),
+        # sentencepiece Llama tokenizers add BOS unless told not to; a tokenizer.json may add
+        # it in its post-processor without the config saying so (Llama 3)
+        "add_bos_token": bool(hf_cfg["add_bos_token"]) if "add_bos_token" in hf_cfg
+        else kind_spm or _post_processor_adds(src / "tokenizer.json",
+                                              content(hf_cfg.get("bos_token"))),
         "special_ids": list(specials),
         "special_tokens": list(specials.values()),
     }

@@ -160,3 +160,16 @@ def test_bad_template_kwargs_and_arguments_name_the_field(server) -> None:
     r = _post(srv, {"model": "qwen2.5", "messages": bad, "tools": [WEATHER]})
     assert r.status_code == 400 and r.json()["error"]["param"] == \
         "messages[2].tool_calls[1].function.arguments", r.text
+
+
+def test_plain_prompts_tokenize_as_transformers_does(folders) -> None:
+    """A completion prompt: transformers' `tokenizer(text)` ids, BOS and all, whether the
+    tokenizer_config says add_bos_token (Gemma) or only tokenizer.json's post-processor adds
+    it (Llama 3)."""
+    from transformers import AutoTokenizer
+
+    text = "The weather in Paris: 18°C. 東京?"
+    for name, (src, tok) in folders.items():
+        want = AutoTokenizer.from_pretrained(src)(text)["input_ids"]
+        assert tok.encode(text) == list(want), name
+    assert folders["llama3.2"][1].add_bos and not folders["qwen3"][1].add_bos
