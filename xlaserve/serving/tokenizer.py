@@ -29,6 +29,8 @@ class Tokenizer:
         self._backend = backend
         self.kind = kind  # "bpe" (tokenizers library) or "sentencepiece"
         self.chat_template: str | None = config.get("chat_template")
+        # a checkpoint's other named templates (transformers uses "tool_use" when tools are given)
+        self.chat_templates: dict[str, str] = dict(config.get("chat_templates") or {})
         self.add_bos: bool = bool(config.get("add_bos_token", False))
         self.bos_token: str | None = config.get("bos_token")
         self.eos_token: str | None = config.get("eos_token")
@@ -161,7 +163,8 @@ class Tokenizer:
     def template_takes_tools(self) -> bool:
         """Does the chat template render a `tools` list itself (else the caller describes the
         tools in a system message: http/tools.py)?"""
-        return bool(self.chat_template) and "tools" in self.chat_template
+        return any("tools" in t for t in (self.chat_template, self.chat_templates.get(
+            "tool_use")) if t)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
@@ -174,17 +177,18 @@ class Tokenizer:
         ValueError with its reason and any role the template never names."""
         from jinja2.exceptions import TemplateError
 
-        if not self.chat_template:
+        template = self.chat_templates.get("tool_use") if tools else None
+        template = template or self.chat_template
+        if not template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         try:
-            return _render_chat(self.chat_template, {
+            return _render_chat(template, {
                 **self.special_tokens_map, **(template_kwargs or {}), "messages": messages,
                 "tools": tools, "documents": None,
                 "add_generation_prompt": add_generation_prompt})
         except TemplateError as e:
             roles = [r for r in dict.fromkeys(str(m.get("role")) for m in messages)
-                     if f"'{r}'" not in self.chat_template
-                     and f'"{r}"' not in self.chat_template]
+                     if f"'{r}'" not in template and f'"{r}"' not in template]
             unknown = "".join(f"; the template has no '{r}' role" for r in roles)
             raise ValueError(f"{e}{unknown}") from None
 
@@ -330,6 +334,21 @@ def _post_processor_adds(path: Path, token: str | None) -> bool:
     return i is not None and with_specials[:1] == [i] and without[:1] != [i]
 
 
+def _hf_templates(src: Path, hf_cfg: dict[str, Any]) -> dict[str, str]:
+    """name -> chat template: tokenizer_config.json's `chat_template` (one, or a list of named
+    ones), else chat_template.jinja; transformers 5's additional_chat_templates/*.jinja."""
+    raw = hf_cfg.get("chat_template")
+    if isinstance(raw, list):
+        out = {str(t["name"]): str(t["template"]) for t in raw}
+    else:
+        out = {"default": raw} if raw else {}
+    if "default" not in out and (src / "chat_template.jinja").exists():
+        out["default"] = (src / "chat_template.jinja").read_text()
+    for path in sorted((src / "additional_chat_templates").glob("*.jinja")):
+        out.setdefault(path.stem, path.read_text())
+    return out
+
+
 def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> None:
     """Copy an HF tokenizer (tokenizer.model or tokenizer.json) and distil its config: the
     chat template (tokenizer_config.json's, else chat_template.jinja), the special tokens, and
@@ -344,8 +363,7 @@ def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> 
     hf_cfg: dict[str, Any] = {}
     if (src / TOKENIZER_CONFIG).exists():
         hf_cfg = json.loads((src / TOKENIZER_CONFIG).read_text())
-    if not hf_cfg.get("chat_template") and (src / "chat_template.jinja").exists():
-        hf_cfg["chat_template"] = (src / "chat_template.jinja").read_text()
+    templates = _hf_templates(src, hf_cfg)
 
     def content(v: Any) -> str | None:
         return v.get("content") if isinstance(v, dict) else v
@@ -354,7 +372,8 @@ def tokenizer_from_hf(src: Path, folder: Path, eos_token_ids: Sequence[int]) -> 
                 if v.get("special")}   # id -> token
     kind_spm = (src / "tokenizer.model").exists()
     config = {
-        "chat_template": hf_cfg.get("chat_template"),
+        "chat_template": templates.pop("default", None),
+        "chat_templates": templates,
         **{f"{k}_token": content(hf_cfg.get(f"{k}_token")) for k in ("bos", "eos", "unk", "pad")},
         "eos_token_ids": hf_stop_ids(src, eos_token_ids),
         # sentencepiece Llama tokenizers add BOS unless told not to; a tokenizer.json may add

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.chat_templates import FAMILIES, converted_tokenizer
+from tests.chat_templates import FAMILIES, converted_tokenizer, tokenizer_folder
 from tests.serving.fake_engine import FakeEngine
 from xlaserve.serving.server_config import ServedModel, ServerConfig
-from xlaserve.serving.tokenizer import Tokenizer
+from xlaserve.serving.tokenizer import Tokenizer, tokenizer_from_hf
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",
@@ -173,3 +173,31 @@ def test_plain_prompts_tokenize_as_transformers_does(folders) -> None:
         want = AutoTokenizer.from_pretrained(src)(text)["input_ids"]
         assert tok.encode(text) == list(want), name
     assert folders["llama3.2"][1].add_bos and not folders["qwen3"][1].add_bos
+
+
+def test_named_templates_tool_use_when_tools_are_given(tmp_path) -> None:
+    """A tokenizer_config.json whose `chat_template` is a list of named templates (Hermes 2 Pro,
+    Command R): the "tool_use" one when the request has tools, "default" otherwise, as in
+    transformers."""
+    from transformers import AutoTokenizer
+
+    from tests.chat_templates import PHI3_5, QWEN2_5
+    from xlaserve.serving.http.tools import parse_tools, render_messages
+
+    src = tokenizer_folder("qwen2.5", tmp_path / "hf")
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "default", "template": PHI3_5},
+                            {"name": "tool_use", "template": QWEN2_5}]
+    (src / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "xla").mkdir()
+    tokenizer_from_hf(src, tmp_path / "xla", [])
+    tok, hf = Tokenizer.load(tmp_path / "xla"), AutoTokenizer.from_pretrained(src)
+    turns = [{**m, "content": m["content"] or ""} for m in TOOL_TURNS]   # as protocol gives
+    for tools in (None, [WEATHER]):
+        msgs, specs = render_messages(turns, parse_tools({"tools": tools}),
+                                      tok.template_takes_tools)
+        want = hf.apply_chat_template(transformers_form(TOOL_TURNS), tools=tools,
+                                      add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        assert tok.encode_chat(msgs, specs) == list(want), tools
+    assert "<tools>" in tok.apply_chat_template(msgs, tools=specs)
