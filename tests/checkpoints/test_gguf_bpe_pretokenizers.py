@@ -38,6 +38,7 @@ FAMILIES = {  # gguf pre name, split regex, NFC, ignore_merges, specials (bos, e
     "tekken": ("tekken", TEKKEN_SPLIT, False, True, ["<s>", "</s>", "[INST]", "[/INST]"]),
 }
 TEMPLATES = {"qwen2": QWEN2_5, "llama3": LLAMA3_2, "tekken": MISTRAL_NEMO}
+TOOL_USE = "{{ tools | length }} tools"   # qwen2's named "tool_use" template
 ADDS_BOS = ("llama3", "tekken")   # llama.cpp's default for these pre-tokenizers
 TEXT = ("In 2024, 1234567 people paid $3.50 (or 1,000.25 EUR) on 2024-12-04T20:36:44Z.\n"
         "def square(x: int) -> int:\n    return x ** 2  # I'M SURE it's fine, they'LL see\n\n"
@@ -88,7 +89,10 @@ def write_gguf(tok, family: str, path: Path) -> None:
     w.add_eos_token_id(vocab[specials[1]])
     if family == "llama3":
         w.add_eot_token_id(vocab[specials[2]])
-    w.add_chat_template(TEMPLATES[family])
+    # qwen2's with a named one too, as llama.cpp writes them
+    w.add_chat_template([{"name": "default", "template": TEMPLATES[family]},
+                         {"name": "tool_use", "template": TOOL_USE}]
+                        if family == "qwen2" else TEMPLATES[family])
     finish_gguf(w)
 
 
@@ -150,3 +154,11 @@ def test_gguf_chat_template_gives_transformers_ids(converted) -> None:
     want = ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                    return_dict=False)
     assert ours.encode_chat(msgs) == list(want), family
+
+
+def test_gguf_named_templates(converted) -> None:
+    family, _, ours = converted
+    if family == "qwen2":
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        assert ours.apply_chat_template([{"role": "user", "content": "x"}], tools=tools) \
+            == "1 tools"

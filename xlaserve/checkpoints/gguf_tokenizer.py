@@ -113,6 +113,10 @@ def tokenizer_from_gguf(fields: dict[str, Any], folder: Path) -> None:
     index = {t: i for i, t in enumerate(tokens)}
     config = {
         "chat_template": fields.get("tokenizer.chat_template"),
+        # named ones, as llama.cpp's converter writes them (tokenizer.chat_template.tool_use)
+        "chat_templates": {str(n): fields[f"tokenizer.chat_template.{n}"]
+                           for n in fields.get("tokenizer.chat_templates") or []
+                           if f"tokenizer.chat_template.{n}" in fields},
         "bos_token": token("tokenizer.ggml.bos_token_id"),
         "eos_token": token("tokenizer.ggml.eos_token_id"),
         "eos_token_ids": sorted({int(i) for i in eos_ids}),
