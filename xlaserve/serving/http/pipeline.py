@@ -173,7 +173,9 @@ def tokenize(parsed: ParsedRequest, group: ModelGroup) -> list[list[int]]:
         try:
             messages, tools = render_messages(parsed.messages, parsed.tools,
                                               tok.template_takes_tools)
-            return [tok.encode_chat(messages, tools)]
+            return [tok.encode_chat(messages, tools, parsed.chat_template_kwargs)]
+        except ApiError:
+            raise
         except Exception as e:  # noqa: BLE001 (any template error, raise_exception too)
             raise ApiError(400, f"could not apply the chat template: {e}", "messages",
                            "invalid_value") from None
@@ -215,9 +217,13 @@ def sampling_params(parsed: ParsedRequest, group: ModelGroup, prompts: list[list
                             f"prompt has {longest})", name, "context_length_exceeded")
     else:
         max_tokens = parsed.max_tokens
+    # the stop ids the tokenizer knows (generation_config.json's, a GGUF's eot / eom) on top of
+    # the engine's own (config.json's eos_token_id), unless the client asked to ignore EOS
+    stops = () if parsed.sampling.get("ignore_eos") else group.tokenizer.eos_ids
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=parsed.logprobs,
-                              constraint=parsed.constraint, **parsed.sampling)
+                              constraint=parsed.constraint, stop_token_ids=tuple(stops),
+                              **parsed.sampling)
     except ValueError as e:
         param = str(e).split("=", 1)[0] if "=" in str(e) else None
         raise ApiError(400, str(e), param, "invalid_value") from None
