@@ -30,18 +30,20 @@ def _pow2(n: int) -> int:
 
 
 def full_logits(params: Params, config: ModelConfig, ids: list[int], block_size: int = 16,
-                chunk: int | None = None, backend: str = "reference") -> np.ndarray:
+                chunk: int | None = None, backend: str = "reference",
+                kv_dtype: str | None = None) -> np.ndarray:
     """Teacher-forced logits [T, V] for one sequence, prefilled in chunks of `chunk` tokens
     (default: all at once) through the paged cache.
 
     Shapes are bucketed as the engine's are, so that sequences of many lengths share a few
     compiled programs: each chunk is padded to a power of two (at least 16) tokens (padding
     tokens write to the null block 0 and their logits are dropped) and the block table to a
-    power-of-two width (the attention masks keys past the sequence)."""
+    power-of-two width (the attention masks keys past the sequence).  `kv_dtype`: the cache's
+    ("int8", "bfloat16", ...; default the model's dtype)."""
     t = len(ids)
     chunk = chunk or t
     width = _pow2(-(-t // block_size))
-    kv = init_kv_cache(config, width + 1, block_size)
+    kv = init_kv_cache(config, width + 1, block_size, kv_dtype)
     table = np.arange(1, width + 1, dtype=np.int32)
     out = []
     for start in range(0, t, chunk):

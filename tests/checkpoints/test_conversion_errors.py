@@ -185,7 +185,7 @@ def _tiny_gguf(path: Path, scaling_type: str | None = None,
     return path
 
 
-@pytest.mark.parametrize("scaling_type", ["linear", "yarn"])
+@pytest.mark.parametrize("scaling_type", ["yarn", "longrope"])
 def test_gguf_unsupported_rope_scaling(tmp_path: Path, scaling_type: str) -> None:
     path = _tiny_gguf(tmp_path / "scaled.gguf", scaling_type)
     with pytest.raises(CheckpointError, match=rf"scaled\.gguf: unsupported rope scaling type "

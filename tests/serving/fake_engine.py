@@ -2,7 +2,9 @@
 reverse (starting `seed % len(prompt)` further along when a seed is given), one token per step
 after `prefill_delay`, each step `token_delay` seconds.  An EOS id among them ends the request
 with "stop"; stop strings end it with "stop" and are cut off; else "length" at max_tokens.
-Logprob of the i-th output token: -(i + 1) / 10; its top-k: the next k ids with -(i+1)/10 - j/100.
+With `reply`, it answers that text instead (then EOS), for tests of what the server makes of
+a model's output.  Logprob of the i-th output token: -(i + 1) / 10; its top-k: the next k ids
+with -(i+1)/10 - j/100.
 
 It books KV blocks like the real one (ceil(tokens / block_size) per request while it runs) so
 tests can check that every block comes back (`blocks_in_use == 0`), and runs at most
@@ -29,8 +31,12 @@ def expected_ids(prompt: list[int], max_tokens: int, seed: int | None = None) ->
 class FakeEngine:
     def __init__(self, tokenizer: Tokenizer, model_name: str = "fake", max_model_len: int = 512,
                  token_delay: float = 0.0, prefill_delay: float = 0.0, max_running: int = 64,
-                 block_size: int = 16, kv_blocks_total: int = 4096, fail_token: int | None = None):
+                 block_size: int = 16, kv_blocks_total: int = 4096, fail_token: int | None = None,
+                 reply: str | None = None):
         self.tokenizer = tokenizer
+        # reply: every request answers this text's ids (then an EOS), not the reversed prompt
+        self.reply_ids = None if reply is None else [
+            *tokenizer.encode(reply, add_special_tokens=False), tokenizer.eos_ids[0]]
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.token_delay = token_delay
@@ -108,7 +114,9 @@ class FakeEngine:
             await self._sleep(rid, self.prefill_delay)
             detok = IncrementalDetokenizer(self.tokenizer, prompt)
             text = ""
-            for i, tid in enumerate(expected_ids(prompt, s.max_tokens, s.seed)):
+            ids = (self.reply_ids[:s.max_tokens] if self.reply_ids is not None
+                   else expected_ids(prompt, s.max_tokens, s.seed))
+            for i, tid in enumerate(ids):
                 if rid in self._abort_flags:
                     finish = "abort"
                     break

@@ -80,3 +80,44 @@ def test_chat_template_and_specials(tok: Tokenizer) -> None:
 def test_token_bytes_spell_the_text(tok: Tokenizer, text: str) -> None:
     """Each token's own bytes (a piece of a character included) concatenate to the UTF-8."""
     assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == text.encode("utf-8")
+
+
+def test_template_jinja_as_transformers_sets_it_up(tok: Tokenizer) -> None:
+    """`{% generation %}` blocks render their body, `tojson` takes transformers' arguments, the
+    special tokens and `tools` (None when none) are defined, kwargs reach the template."""
+    import copy
+
+    t = copy.copy(tok)
+    t.chat_template = ("{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}"
+                       "{% endfor %}{{ {'b': 1, 'a': 'é'} | tojson(sort_keys=True) }}"
+                       "{{ tools is none }}{{ eos_token }}{{ flag }}")
+    assert t.apply_chat_template([{"role": "user", "content": "x"}],
+                                 template_kwargs={"flag": 7, "self": 1}) == \
+        '[x]{"a": "é", "b": 1}True<|im_end|>7'
+
+
+def test_marker_tokens_decode_as_text_in_sentencepiece(tmp_path) -> None:
+    """A sentencepiece vocabulary with Mistral's [TOOL_CALLS] as a control piece (Mistral 7B
+    v0.3's tokenizer.model): skipped specials stay skipped, the marker is decoded as its text
+    so the tool-call parser sees it (http/tool_syntax.py)."""
+    import json
+
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text('{"name": "get_weather", "arguments": {"city": "Paris"}}\n' * 20
+                      + "The weather in Paris is sunny.\n" * 20)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=320,
+        model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        control_symbols=["[TOOL_CALLS]"], minloglevel=2)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "special_ids": [1, 2, 3],
+         "special_tokens": ["<s>", "</s>", "[TOOL_CALLS]"]}))
+    tok = Tokenizer.load(tmp_path)
+    call = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    ids = tok.encode("[TOOL_CALLS]" + call)
+    assert ids[:2] == [1, 3]                          # BOS, then the control piece
+    assert tok.decode(ids) == "[TOOL_CALLS]" + call   # BOS skipped, the marker kept
+    detok = IncrementalDetokenizer(tok, ids[:1])
+    assert "".join(detok.add(i) for i in ids[1:]) + detok.flush() == "[TOOL_CALLS]" + call

@@ -83,7 +83,7 @@ def run_startup(model_dir: str | Path, variant_layers: int = 2, chunk: int = 128
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         rows = [measure(f"{model_dir.name}", model_dir, config, chunk, width)]
-        variant = config.replace(num_layers=variant_layers)
+        variant = config.first_layers(variant_layers)
         with tempfile.TemporaryDirectory(prefix="xlaserve-startup-") as tmp:
             save_params(Path(tmp), init_params(variant))
             rows.append(measure(f"{variant_layers}-layer variant (random)", Path(tmp),

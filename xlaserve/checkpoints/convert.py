@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 
 from tqdm import tqdm
 
 from xlaserve.checkpoints.errors import CheckpointError
+from xlaserve.checkpoints.family_tensors import adapted, adapted_int8
 from xlaserve.checkpoints.gguf_file import gguf_tokenizer_fields, read_gguf
 from xlaserve.checkpoints.layout import params_from_hf
 from xlaserve.checkpoints.store import CONFIG_FILE, atomic_folder, check_output, save_params
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.quantize import check_quantization, quantize_params
+
+log = logging.getLogger(__name__)
 
 
 def _bar(desc: str, quiet: bool):
@@ -41,8 +45,10 @@ def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
     config = model.config
     with atomic_folder(out, overwrite, src) as tmp:
         # --quantize int8: Q8_0 matrices are copied as the int8 they are (gguf_file.py)
-        get_int8 = model.get_int8 if quantize == "int8" else None
-        params = params_from_hf(config, model.get, _bar(f"reading {Path(src).name}", quiet),
+        m = model.residual_multiplier
+        get_int8 = adapted_int8(config, model.get_int8 if quantize == "int8" else None, m)
+        get = adapted(config, model.get, residual_multiplier=m, norms_hold_one=True)
+        params = params_from_hf(config, get, _bar(f"reading {Path(src).name}", quiet),
                                 get_int8)
         config, params = quantized(config, params, quantize)
         save_params(tmp, params)
@@ -52,6 +58,26 @@ def convert_gguf(src: str | Path, out: str | Path, *, overwrite: bool = False,
             raise CheckpointError(f"{src}: tokenizer: {e}") from e
         config.save(tmp / CONFIG_FILE)
     return config
+
+
+def text_tower_names(hf: dict, stored: Iterable[str]) -> dict[str, str]:
+    """HF Llama-style name -> the name stored: itself, or for a `gemma3` image-text checkpoint
+    its text tower's (`model.language_model.*` / `language_model.model.*`), the vision
+    weights left out with one log line."""
+    if hf.get("model_type") != "gemma3":
+        return {n: n for n in stored}
+    out, skipped = {}, 0
+    for n in stored:
+        for prefix, ours in (("model.language_model.", "model."),
+                             ("language_model.model.", "model."),
+                             ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+            if n.startswith(prefix):
+                out[ours + n[len(prefix):]] = n
+                break
+        else:
+            skipped += 1
+    log.info("gemma3: serving the text tower; %d vision tensors skipped", skipped)
+    return out
 
 
 def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
@@ -68,7 +94,8 @@ def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
     if not cfg_path.exists():
         raise CheckpointError(f"{src}: no config.json")
     try:
-        config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+        hf = json.loads(cfg_path.read_text())
+        config = ModelConfig.from_hf(hf)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{cfg_path}: {type(e).__name__}: {e}") from e
     files = sorted(src.glob("*.safetensors"))
@@ -84,14 +111,17 @@ def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
                 where[name] = f
     except Exception as e:
         raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
-    if config.tie_word_embeddings is False and "lm_head.weight" not in where:
+    names = text_tower_names(hf, where)
+    if config.tie_word_embeddings is False and "lm_head.weight" not in names:
         config = config.replace(tie_word_embeddings=True)
 
     def get(name: str):
-        if name not in where:
+        if name not in names:
             raise CheckpointError(f"{src}: tensor {name} is missing from the safetensors files")
-        return handles[where[name]].get_tensor(name)
+        stored = names[name]
+        return handles[where[stored]].get_tensor(stored)
 
+    get = adapted(config, get, residual_multiplier=float(hf.get("residual_multiplier", 1.0)))
     with atomic_folder(out, overwrite, src) as tmp:
         params = params_from_hf(config, get, _bar(f"converting {src.name}", quiet))
         config, params = quantized(config, params, quantize)

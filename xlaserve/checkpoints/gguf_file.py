@@ -29,11 +29,14 @@ from typing import Any
 import numpy as np
 
 from xlaserve.checkpoints.errors import CheckpointError
+from xlaserve.checkpoints.gguf_families import (
+    GGUF_ARCHITECTURES,
+    PERMUTED_QK,
+    family_fields,
+    layer_names,
+)
 from xlaserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 
-# llama.cpp architecture -> ours (a `llama` file with experts is Mixtral, see read_gguf).
-_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2moe": "qwen2_moe",
-                       "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 # MoE tensors: llama.cpp kind -> our parameter name (its HF name from checkpoints/layout.py).
 _GGUF_MOE = {"ffn_gate_inp": "router", "ffn_gate_exps": "we_gate", "ffn_up_exps": "we_up",
              "ffn_down_exps": "we_down", "ffn_gate_shexp": "ws_gate", "ffn_up_shexp": "ws_up",
@@ -42,22 +45,15 @@ _GGUF_MOE = {"ffn_gate_inp": "router", "ffn_gate_exps": "we_gate", "ffn_up_exps"
 
 log = logging.getLogger(__name__)
 
-_GGUF_TO_HF_LAYER = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _GGUF_TO_HF_TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+
+# top-level tensors that become config fields (RoPE scalings), not parameters
+_READ_INTO_CONFIG = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -74,7 +70,8 @@ class GGUFModel:
     tensors: dict[str, Any]  # HF name -> gguf ReaderTensor
     # HF per-expert name -> (stacked ReaderTensor, expert index)
     experts: dict[str, tuple[Any, int]] = field(default_factory=dict)
-    permuted_qk: bool = True   # llama.cpp permuted q/k rows (its `llama` architecture)
+    permuted_qk: bool = True   # llama.cpp permuted q/k rows (its `llama`, `granite`)
+    residual_multiplier: float = 1.0   # Granite's residual_scale (checkpoints/family_tensors.py)
     _last: tuple[str, np.ndarray] | None = None   # the stacked tensor dequantized last
 
     def _dequantize(self, t: Any) -> np.ndarray:
@@ -114,7 +111,8 @@ class GGUFModel:
                 self._last = (t.name, self._dequantize(t))
             return self._last[1][j]
         if hf_name not in self.tensors:
-            raise CheckpointError(f"{self.path}: tensor for {hf_name} is missing")
+            raise CheckpointError(f"{self.path}: tensor {gguf_name(hf_name, self.config)} "
+                                  f"(for {hf_name}) is missing")
         w = self._dequantize(self.tensors[hf_name])
         if not self.permuted_qk:
             return w
@@ -123,6 +121,20 @@ class GGUFModel:
         elif hf_name.endswith("k_proj.weight"):
             w = _unpermute(w, self.config.num_kv_heads)
         return w
+
+
+def gguf_name(hf_name: str, config: ModelConfig) -> str:
+    """The GGUF tensor name llama.cpp gives `hf_name` (for error messages)."""
+    top = {hf: g for g, hf in _GGUF_TO_HF_TOP.items()}
+    if hf_name in top:
+        return top[hf_name]
+    parts = hf_name.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"]:
+        inner, suffix = ".".join(parts[3:-1]), parts[-1]
+        kinds = {hf: g for g, hf in layer_names(config.architecture).items()}
+        if inner in kinds:
+            return f"blk.{parts[2]}.{kinds[inner]}.{suffix}"
+    return hf_name
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -151,9 +163,9 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
                                   f"{t.data_offset + t.n_bytes}, file has {size}")
 
     arch = _field(reader, "general.architecture")
-    if _GGUF_ARCHITECTURES.get(arch) not in SUPPORTED_ARCHITECTURES:
+    if GGUF_ARCHITECTURES.get(arch) not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"{path}: unsupported architecture {arch!r} "
-                              f"(supported: {', '.join(_GGUF_ARCHITECTURES)})")
+                              f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
     metadata = {k: _field(reader, k) for k in reader.fields
                 if not k.startswith("tokenizer.ggml.") and not k.startswith("GGUF.")}
 
@@ -171,9 +183,9 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
     vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else 0))
     scaling = None
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling_type not in (None, "none", "llama3"):
+    if scaling_type not in (None, "none", "llama3", "linear"):
         raise CheckpointError(f"{path}: unsupported rope scaling type {scaling_type!r} in "
-                              f"{arch}.rope.scaling.type (supported: none, llama3)")
+                              f"{arch}.rope.scaling.type (supported: none, llama3, linear)")
     by_name = {t.name: t for t in reader.tensors}
     freq_factors = None
     if "rope_freqs.weight" in by_name:
@@ -181,6 +193,9 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
         t = by_name["rope_freqs.weight"]
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         freq_factors = tuple(float(f) for f in w.reshape(-1))
+    elif scaling_type == "linear":   # Gemma 3's full layers
+        scaling = RopeScaling(kind="linear",
+                              factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)))
     elif scaling_type == "llama3":  # rarely stored as metadata; llama.cpp writes rope_freqs instead
         scaling = RopeScaling(
             factor=float(_field(reader, f"{arch}.rope.scaling.factor")),
@@ -192,7 +207,24 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
+    ours = GGUF_ARCHITECTURES[arch]
+
+    def small_tensor(name: str) -> list[float] | None:
+        t = by_name.get(name)
+        if t is None:
+            return None
+        return [float(f) for f in np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
+                                             np.float32).reshape(-1)]
+
     try:
+        fields = dict(rope_scaling=scaling, attention_bias=ours in ("qwen2", "qwen3")
+                      and "blk.0.attn_q.bias" in by_name)
+        fields.update(family_fields(
+            ours, lambda key, default: _field(reader, f"{arch}.{key}", default),
+            dict(hidden=hidden, heads=heads, head_dim=head_dim,
+                 layers=int(need("block_count"))), small_tensor))
+        moe = _moe_config(reader, arch, by_name)
+        fields.update(attention_bias=moe.pop("attention_bias", fields["attention_bias"]))
         config = ModelConfig(
             vocab_size=vocab,
             hidden_size=hidden,
@@ -202,7 +234,6 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
             rope_freq_factors=freq_factors,
             rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
@@ -210,7 +241,8 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=dtype,
-            **_moe_config(reader, arch, by_name),
+            **moe,
+            **fields,
         )
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from e
@@ -234,23 +266,24 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
                     experts[f"model.layers.{i}.{moe_names[kind].format(j=j)}"] = (t, j)
             elif kind in moe_names:
                 tensors[f"model.layers.{i}.{moe_names[kind]}"] = t
-            elif kind in _GGUF_TO_HF_LAYER:
-                tensors[f"model.layers.{i}.{_GGUF_TO_HF_LAYER[kind]}.{suffix}"] = t
+            elif kind in layer_names(config.architecture):
+                tensors[f"model.layers.{i}.{layer_names(config.architecture)[kind]}.{suffix}"] = t
             else:
                 unmapped.append(t.name)
-        elif t.name != "rope_freqs.weight":  # read into the config above
+        elif t.name not in _READ_INTO_CONFIG:
             unmapped.append(t.name)
     if unmapped:
         log.warning("%s: ignoring %d tensor(s) this converter does not use: %s", path,
                     len(unmapped), ", ".join(unmapped[:8]) + (" ..." if len(unmapped) > 8 else ""))
     return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors,
-                     experts=experts, permuted_qk=arch == "llama")
+                     experts=experts, permuted_qk=arch in PERMUTED_QK,
+                     residual_multiplier=float(_field(reader, f"{arch}.residual_scale", 1.0)))
 
 
 def _moe_config(reader: Any, arch: str, by_name: dict[str, Any]) -> dict[str, Any]:
     """The architecture and mixture-of-experts fields of ModelConfig from GGUF metadata."""
     count = int(_field(reader, f"{arch}.expert_count", 0) or 0)
-    ours = "mixtral" if arch == "llama" and count else _GGUF_ARCHITECTURES[arch]
+    ours = "mixtral" if arch == "llama" and count else GGUF_ARCHITECTURES[arch]
     if not count:
         if ours != arch:   # qwen2moe / qwen3moe without experts
             raise ValueError(f"{arch}.expert_count is missing")

@@ -82,12 +82,21 @@ _ATTENTION_EXTRAS = {
 }
 
 
+# Gemma 2/3: four norms a layer (post_attention_layernorm is the attention output's there).
+_POST_NORMS = {
+    "attn_post_norm": "post_attention_layernorm.weight",
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "mlp_post_norm": "post_feedforward_layernorm.weight",
+}
+
+
 def layer_tensors(config: ModelConfig) -> dict[str, str]:
     """Our layer parameter name -> its HF tensor name inside `model.layers.{i}.` ({j}: the
     expert, for the stacked expert weights)."""
     ours = param_shapes(config)["layers"]
     table = {**_LAYER_TENSORS, **_ATTENTION_EXTRAS,
-             **(_MIXTRAL_EXPERTS if config.architecture == "mixtral" else _QWEN_EXPERTS)}
+             **(_MIXTRAL_EXPERTS if config.architecture == "mixtral" else _QWEN_EXPERTS),
+             **(_POST_NORMS if config.post_norms else {})}
     return {name: table[name] for name in ours}
 
 

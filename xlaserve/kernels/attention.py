@@ -20,6 +20,7 @@ Backends:
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,15 @@ PIECE = 16   # query tokens per row of the Pallas prefill kernel for a flat batc
 
 def jax_triton_available() -> bool:
     return importlib.util.find_spec("jax_triton") is not None
+
+
+def check_model_backend(config: Any, backend: str) -> None:
+    """Refuse, by name, a resolved backend that cannot run every layer of `config` (a
+    ModelConfig): at start-up, not as a wrong answer later."""
+    if backend == "triton" and any(w is not None for w in config.layer_windows):
+        raise ValueError(f"attention_backend 'triton' has no sliding-window decode, which this "
+                         f"{config.architecture} model's layers use (sliding_window="
+                         f"{config.sliding_window}); use 'pallas' or 'auto'")
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:

@@ -12,20 +12,42 @@ from typing import Any
 
 from xlaserve.models.quantize import check_quantization
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
+                           "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # The sparse mixture-of-experts families (models/moe.py): every decoder layer's MLP is a routed
 # set of experts.
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
+ROPE_SCALINGS = ("llama3", "linear", "longrope")
+LAYER_KINDS = ("full", "sliding")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 style frequency scaling (`rope_type: llama3`)."""
+    """Rotary frequency scaling (models/rope.py): `llama3` (Llama 3.1+: low frequencies divided
+    by `factor`, a smooth band between), `linear` (every frequency divided by `factor`: Gemma 3's
+    global layers) or `longrope` (Phi-3/4: per-dimension divisors, `long_factor` when the model
+    runs beyond `original_max_position_embeddings`, else `short_factor`, and cos/sin scaled by
+    `attention_factor`)."""
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+    kind: str = "llama3"
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALINGS:
+            raise ValueError(f"RopeScaling.kind must be one of {', '.join(ROPE_SCALINGS)}, got "
+                             f"{self.kind!r}")
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise ValueError(f"RopeScaling.factor must be a positive number, got {self.factor!r}")
+        if self.kind == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ValueError("RopeScaling: longrope needs short_factor and long_factor")
 
 
 @dataclass(frozen=True)
@@ -65,6 +87,19 @@ class ModelConfig:
     # ... over what: "head" each head's D (Qwen3), "all" every head's features at once (OLMoE:
     # its norm weights are [H*D] and [K*D]; a layout must not split the heads, see rules.py)
     qk_norm_span: str = "head"
+    # The families' differences from the Llama block (models/families.py reads them):
+    embed_scale: float = 1.0          # x = embed[tokens] * this (Gemma sqrt(E), Granite)
+    attention_scale: float | None = None   # q.k multiplier; None: head_dim ** -0.5
+    attn_soft_cap: float | None = None     # Gemma 2: cap * tanh(logits / cap) on q.k
+    final_soft_cap: float | None = None    # Gemma 2: the same on the output logits
+    logits_divisor: float = 1.0       # Granite's logits_scaling: logits / this
+    post_norms: bool = False          # Gemma 2/3: RMSNorm of attn / MLP outputs before the add
+    mlp_activation: str = "silu"      # the gated MLP's activation: silu, or gelu_tanh (Gemma)
+    # Per layer "full" or "sliding" (Gemma 2/3); None: every layer alike, windowed when
+    # `sliding_window` is set.  Sliding layers attend to the last `sliding_window` positions.
+    layer_kinds: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # Gemma 3: sliding layers' RoPE base, unscaled
+    rotary_dim: int | None = None     # partial rotary (Phi-4-mini): rotate this many of D
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +123,7 @@ class ModelConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         check_quantization(self.quantization, "ModelConfig.quantization")
         self._check_moe()
+        self._check_family()
         if self.qk_norm_span not in ("head", "all"):
             raise ValueError(f"ModelConfig.qk_norm_span must be 'head' or 'all', got "
                              f"{self.qk_norm_span!r}")
@@ -103,6 +139,53 @@ class ModelConfig:
             if self.rope_scaling is not None:
                 raise ValueError("ModelConfig: rope_scaling and rope_freq_factors are both set; "
                                  "they are two forms of the same scaling, keep one")
+
+    def _check_family(self) -> None:
+        for name in ("embed_scale", "logits_divisor", "attention_scale", "attn_soft_cap",
+                     "final_soft_cap", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and
+                                          not isinstance(value, bool) and
+                                          math.isfinite(value) and value > 0):
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        if self.mlp_activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"ModelConfig.mlp_activation must be 'silu' or 'gelu_tanh', got "
+                             f"{self.mlp_activation!r}")
+        kinds = self.layer_kinds
+        if kinds is not None:
+            if len(kinds) != self.num_layers or set(kinds) - set(LAYER_KINDS):
+                raise ValueError(f"ModelConfig.layer_kinds must give one of {LAYER_KINDS} for "
+                                 f"each of the {self.num_layers} layers, got {kinds!r}")
+            if "sliding" in kinds and self.sliding_window is None:
+                raise ValueError("ModelConfig.layer_kinds has sliding layers but "
+                                 "sliding_window is None")
+        if self.rope_local_theta is not None and kinds is None:
+            raise ValueError("ModelConfig.rope_local_theta is set without layer_kinds")
+        rd = self.rotary_dim
+        if rd is not None and (isinstance(rd, bool) or not isinstance(rd, int) or rd < 2
+                               or rd % 2 or rd > self.head_dim):
+            raise ValueError(f"ModelConfig.rotary_dim must be an even int in [2, head_dim="
+                             f"{self.head_dim}], got {rd!r}")
+        rs = self.rope_scaling
+        if rs is not None and rs.kind == "longrope":
+            want = (rd or self.head_dim) // 2
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(rs, name)) != want:
+                    raise ValueError(f"RopeScaling.{name} has {len(getattr(rs, name))} values, "
+                                     f"expected rotary_dim // 2 = {want}")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        if self.layer_kinds is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if k == "sliding" else None for k in self.layer_kinds)
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Do layers differ in window or RoPE (Gemma 2/3)?  The layer loop then picks each
+        layer's variant by its index (models/llama.py)."""
+        return self.layer_kinds is not None and len(set(self.layer_kinds)) > 1
 
     def _check_moe(self) -> None:
         moe = self.architecture in MOE_ARCHITECTURES
@@ -148,6 +231,19 @@ class ModelConfig:
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    def for_context(self, max_model_len: int) -> "ModelConfig":
+        """The config served at a context of `max_model_len` tokens: LongRoPE takes its short
+        factors when that fits in original_max_position_embeddings (models/rope.py)."""
+        rs = self.rope_scaling
+        if rs is None or rs.kind != "longrope" or max_model_len >= self.max_position_embeddings:
+            return self
+        return self.replace(max_position_embeddings=max_model_len)
+
+    def first_layers(self, n: int) -> "ModelConfig":
+        """The config of this model's first `n` layers (a draft, a startup probe)."""
+        kinds = None if self.layer_kinds is None else self.layer_kinds[:n]
+        return self.replace(num_layers=n, layer_kinds=kinds)
+
     # -- serialisation -------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,13 +251,21 @@ class ModelConfig:
         d["eos_token_ids"] = list(self.eos_token_ids)
         if self.rope_freq_factors is not None:
             d["rope_freq_factors"] = list(self.rope_freq_factors)
+        if self.layer_kinds is not None:
+            d["layer_kinds"] = list(self.layer_kinds)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)
         if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+            rs = dict(d["rope_scaling"])
+            for name in ("short_factor", "long_factor"):
+                if rs.get(name) is not None:
+                    rs[name] = tuple(float(f) for f in rs[name])
+            d["rope_scaling"] = RopeScaling(**rs)
+        if d.get("layer_kinds") is not None:
+            d["layer_kinds"] = tuple(d["layer_kinds"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         if d.get("rope_freq_factors") is not None:
             d["rope_freq_factors"] = tuple(float(f) for f in d["rope_freq_factors"])
@@ -180,97 +284,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: str = "float32") -> "ModelConfig":
-        """From a Hugging Face `config.json` of a Llama, Mistral, Mixtral, Qwen2-MoE,
-        Qwen3-MoE or OLMoE model."""
-        model_type = hf.get("model_type", "")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        eos = hf.get("eos_token_id", 2)
-        scaling = _rope_scaling_from_hf(hf.get("rope_scaling") or hf.get("rope_parameters"))
-        max_pos = hf.get("max_position_embeddings", 4096)
-        # A window no shorter than the context never hides a position: plain causal attention.
-        window = hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None
-        window = None if window is None or window >= max_pos else int(window)
-        theta = hf.get("rope_theta")
-        if theta is None and isinstance(hf.get("rope_parameters"), dict):
-            theta = hf["rope_parameters"].get("rope_theta")
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rope_theta=float(theta or 10000.0),
-            rope_scaling=scaling,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=(tuple(eos) if isinstance(eos, list) else ()
-                           if eos is None else (eos,)),
-            architecture=model_type,
-            dtype=dtype,
-            sliding_window=window,
-            **_moe_from_hf(hf),
-        )
+        """From a Hugging Face `config.json` (models/families.py reads each family)."""
+        from xlaserve.models.families import config_from_hf
 
-
-def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of a HF config.json (none for a dense model)."""
-    kind = hf["model_type"]
-    if kind not in MOE_ARCHITECTURES:
-        return {}
-    if kind == "mixtral":
-        return dict(num_experts=hf["num_local_experts"],
-                    num_experts_per_tok=hf["num_experts_per_tok"],
-                    moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
-    if kind == "olmoe":
-        if hf.get("clip_qkv") is not None:
-            raise ValueError(f"olmoe: clip_qkv={hf['clip_qkv']} is not supported")
-        heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-        if hf.get("head_dim") not in (None, hidden // heads):
-            raise ValueError(f"olmoe: head_dim={hf['head_dim']} must be hidden_size / "
-                             f"num_attention_heads = {hidden // heads} (its q norm spans "
-                             f"hidden_size)")
-        return dict(num_experts=hf["num_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
-                    moe_intermediate_size=hf["intermediate_size"],
-                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                    attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True,
-                    qk_norm_span="all")
-    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
-    if step != 1 or dense:
-        raise ValueError(f"{kind}: decoder_sparse_step={step}, mlp_only_layers={dense}: "
-                         f"models with dense layers among the MoE layers are not supported")
-    if hf.get("use_sliding_window"):
-        raise ValueError(f"{kind}: use_sliding_window=true is not supported")
-    out = dict(num_experts=hf.get("num_experts") or hf["num_local_experts"],
-               num_experts_per_tok=hf["num_experts_per_tok"],
-               moe_intermediate_size=hf["moe_intermediate_size"],
-               norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
-    if kind == "qwen2_moe":
-        out.update(shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0),
-                   attention_bias=bool(hf.get("qkv_bias", True)))
-    else:
-        out.update(attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True)
-    return out
-
-
-def _rope_scaling_from_hf(rs: dict[str, Any] | None) -> RopeScaling | None:
-    if not rs:
-        return None
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, llama3)")
-    return RopeScaling(
-        factor=float(rs["factor"]),
-        low_freq_factor=float(rs["low_freq_factor"]),
-        high_freq_factor=float(rs["high_freq_factor"]),
-        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-    )
+        return config_from_hf(cls, hf, dtype)

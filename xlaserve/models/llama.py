@@ -37,7 +37,6 @@ from xlaserve.kernels.attention import attention
 from xlaserve.kernels.kv_quant import row_width
 from xlaserve.kernels.matmul import (
     PackedWeight,
-    gated_matmul,
     head_matmul,
     layer_matmul,
     pack_weight,
@@ -45,10 +44,11 @@ from xlaserve.kernels.matmul import (
 from xlaserve.kernels.quantized import QuantizedWeight, as_operand, is_quantized, quantize_int8
 from xlaserve.kernels.rms_norm import rms_norm
 from xlaserve.kernels.rope_kv_write import rope_kv_write
+from xlaserve.models.block import attention_out, mlp, queries_keys_values
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.moe import ONE_DEVICE, ExpertShard, moe_mlp, moe_param_axes, moe_param_shapes
 from xlaserve.models.quantize import quantize_params, quantized_axes, quantized_shapes
-from xlaserve.models.rope import inverse_frequencies, rope_tables
+from xlaserve.models.rope import model_rope_tables
 
 Params = dict[str, Any]
 
@@ -88,6 +88,8 @@ def param_axes(config: ModelConfig) -> Params:
                       k_norm=("layers", "kv_heads", "head_dim"))
     elif config.qk_norm:
         layers.update(q_norm=("layers", "head_dim"), k_norm=("layers", "head_dim"))
+    if config.post_norms:
+        layers.update(attn_post_norm=("layers", "embed"), mlp_post_norm=("layers", "embed"))
     if config.is_moe:
         layers.update(moe_param_axes(config))
     else:
@@ -114,6 +116,8 @@ def param_shapes(config: ModelConfig) -> Params:
         layers.update(q_norm=(L, H, D), k_norm=(L, K, D))
     elif c.qk_norm:
         layers.update(q_norm=(L, D), k_norm=(L, D))
+    if c.post_norms:
+        layers.update(attn_post_norm=(L, E), mlp_post_norm=(L, E))
     if c.is_moe:
         layers.update(moe_param_shapes(c))
     else:
@@ -143,16 +147,6 @@ def init_params(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> Para
 
     return jax.tree_util.tree_map_with_path(make, param_shapes(config),
                                             is_leaf=lambda x: isinstance(x, tuple))
-
-
-def rms_norm_heads(x: jax.Array,        # [T, heads, D]
-                   weight: jax.Array,   # [heads, D]
-                   eps: float) -> jax.Array:
-    """RMSNorm over every head's features of a token together (OLMoE's q/k norm): the heads
-    must all be on this device (rules.py refuses to split them)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=(-2, -1), keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
 
 
 class CacheGeometry(NamedTuple):
@@ -221,8 +215,10 @@ def decoder_layers(
     attend: Callable[..., jax.Array] = attention,
     reduce: Callable[[jax.Array], jax.Array] | None = None,
     experts: ExpertShard = ONE_DEVICE,
+    first_layer: jax.Array | int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:   # x [T, E], k_flat, v_flat
-    """Every layer of `layers` in order, pre-norm: x += attn(norm(x)); x += mlp(norm(x)).
+    """Every layer of `layers` in order, pre-norm: x += attn(norm(x)); x += mlp(norm(x))
+    (Gemma: x += norm(attn(norm(x))), the same for the MLP).
 
     The weights are closed over, not scanned: each layer's matmuls get the stack and the layer
     index (kernels/matmul.py reads the slice in place; the jnp path slices it).  Under tensor
@@ -231,17 +227,19 @@ def decoder_layers(
     (None, one device: the residual adds go into those matmuls), and `attend` may stand in for
     `attention` with the same signature.  A MoE model's MLP is models/moe.py's, over the experts
     `experts` names (all of them on one device), its partial sums added by `experts.reduce`.
+    Where layers differ in kind (Gemma's sliding and full layers), layer `first_layer + i`
+    of the model picks its window and RoPE (a pipeline stage starts at `first_layer`).
     KV writes to slots outside the cache are dropped (pipeline bubbles rely on it)."""
     c = config
     t = x.shape[0]
     kvh, d = k_flat.shape[1], c.head_dim   # an int8 cache's rows are d + 4 bytes wide
     layers = jax.tree_util.tree_map(jnp.asarray, layers)   # host arrays, outside jit
     use_kernel = attention_backend_uses_kernels(attention_backend)
-    cos, sin = rope_tables(positions, jnp.asarray(inverse_frequencies(c)))   # [T, D/2] each
+    tables = model_rope_tables(c, positions)                            # kind -> [T, D/2] x 2
     wq, wk, wv = (_as_matrix(layers[n], 2) for n in ("wq", "wk", "wv"))  # [L, E, heads*D]
     wo = _as_matrix(layers["wo"], 1)                                      # [L, H*D, E]
-    if not c.is_moe:
-        w_gate, w_up, w_down = (_as_matrix(layers[n], 2) for n in ("w_gate", "w_up", "w_down"))
+    w_mlp = () if c.is_moe else tuple(_as_matrix(layers[n], 2) for n in ("w_gate", "w_up",
+                                                                          "w_down"))
     heads = wq.shape[-1] // d
     per_layer = geometry.num_blocks * geometry.block_size
     # The tokens up to the last real one (the flat batch is padded at its end): the CPU
@@ -249,35 +247,34 @@ def decoder_layers(
     used = None
     if use_kernel and isinstance(wq, PackedWeight):
         used = jnp.max(jnp.where(meta.token_rows >= 0, jnp.arange(1, t + 1, dtype=jnp.int32), 0))
+    sliding = jnp.asarray([k == "sliding" for k in c.layer_kinds or ()], bool)   # [L model]
+
+    def attend_as(window: int | None) -> Callable[..., jax.Array]:
+        def run(q: jax.Array, k_flat: jax.Array, v_flat: jax.Array, i: jax.Array) -> jax.Array:
+            return attend(q, k_flat, v_flat, i, meta.token_rows, positions, meta.block_tables,
+                          num_blocks=geometry.num_blocks, block_size=geometry.block_size,
+                          scale=c.attention_scale or d ** -0.5, soft_cap=c.attn_soft_cap,
+                          sliding_window=window, backend=attention_backend)   # [T, H, D]
+        return run
 
     def layer_step(carry: tuple[jax.Array, ...], i: jax.Array) -> tuple[tuple[jax.Array, ...],
                                                                       None]:
         x, k_flat, v_flat = carry
-        q, k, v = _queries_keys_values(c, layers, (wq, wk, wv), i, x, (heads, kvh, d),
+        q, k, v = queries_keys_values(c, layers, (wq, wk, wv), i, x, (heads, kvh, d),
                                        use_kernel, used)
+        local = sliding[first_layer + i] if c.mixed_layers else None   # this layer's kind
+        cos, sin = _layer_rope(tables, local, c.layer_kinds)
         q, k_flat, v_flat = rope_kv_write(q, k, v, cos, sin, k_flat, v_flat, i,
                                           meta.slot_mapping, rows_per_layer=per_layer,
                                           use_kernel=use_kernel)
-        attn = attend(q, k_flat, v_flat, i, meta.token_rows, positions, meta.block_tables,
-                      num_blocks=geometry.num_blocks, block_size=geometry.block_size,
-                      scale=d ** -0.5, sliding_window=c.sliding_window,
-                      backend=attention_backend)                          # [T, H, D]
-        if reduce is None:   # one device: the residual add inside the matmul
-            (x,) = layer_matmul(attn.reshape(t, heads * d), (wo,), i, use_kernel=use_kernel,
-                                residual=x, rows=used)
-        else:
-            (o,) = layer_matmul(attn.reshape(t, heads * d), (wo,), i, use_kernel=use_kernel)
-            x = x + reduce(o)
+        attn = attend_as(c.layer_windows[0])(q, k_flat, v_flat, i) if local is None else \
+            jax.lax.cond(local, attend_as(c.sliding_window), attend_as(None), q, k_flat, v_flat, i)
+        x = attention_out(c, layers, wo, i, attn.reshape(t, heads * d), x, reduce,
+                           use_kernel, used)
         if c.is_moe:
             h = rms_norm(x, layers["mlp_norm"][i], c.rms_norm_eps)
             return (x + moe_mlp(c, layers, i, h, experts), k_flat, v_flat), None
-        gate, up = layer_matmul(x, (w_gate, w_up), i, use_kernel=use_kernel,
-                                norm=(layers["mlp_norm"], c.rms_norm_eps), rows=used)
-        if reduce is None:
-            x = gated_matmul(gate, up, w_down, i, use_kernel=use_kernel, residual=x, rows=used)
-        else:
-            x = x + reduce(gated_matmul(gate, up, w_down, i, use_kernel=use_kernel))
-        return (x, k_flat, v_flat), None
+        return (mlp(c, layers, w_mlp, i, x, reduce, use_kernel, used), k_flat, v_flat), None
 
     num_layers = wq.shape[0]
     (x, k_flat, v_flat), _ = jax.lax.scan(layer_step, (x, k_flat, v_flat),
@@ -285,28 +282,17 @@ def decoder_layers(
     return x, k_flat, v_flat
 
 
-def _queries_keys_values(c: ModelConfig, layers: Params, w_qkv: tuple[jax.Array, ...],
-                         i: jax.Array, x: jax.Array, dims: tuple[int, int, int],
-                         use_kernel: bool, used: jax.Array | None
-                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Layer i's q [T, H, D], k [T, K, D] (normed where the family norms them; RoPE comes
-    with the KV write, kernels/rope_kv_write.py) and v [T, K, D] from the residual stream
-    x [T, E] (its pre-norm taken in the same call); dims = (H, K, D) of this shard; rows
-    from `used` on are zeros (layer_matmul's `rows`)."""
-    heads, kvh, d = dims
-    t = x.shape[0]
-    q, k, v = layer_matmul(x, w_qkv, i, use_kernel=use_kernel,
-                           norm=(layers["attn_norm"], c.rms_norm_eps), rows=used)
-    if c.attention_bias:   # Qwen2: [H or K, D] per layer, this shard's heads
-        q, k, v = (a + layers[b][i].reshape(-1) for a, b in zip((q, k, v), ("bq", "bk", "bv")))
-    q, k = q.reshape(t, heads, d), k.reshape(t, kvh, d)
-    if c.qk_norm and c.qk_norm_span == "all":   # OLMoE: over [H, D] / [K, D] at once
-        q = rms_norm_heads(q, layers["q_norm"][i], c.rms_norm_eps)
-        k = rms_norm_heads(k, layers["k_norm"][i], c.rms_norm_eps)
-    elif c.qk_norm:        # Qwen3: RMSNorm over each head's D before RoPE
-        q = rms_norm(q, layers["q_norm"][i], c.rms_norm_eps)
-        k = rms_norm(k, layers["k_norm"][i], c.rms_norm_eps)
-    return q, k, v.reshape(t, kvh, d)
+def _layer_rope(tables: dict[str, tuple[jax.Array, jax.Array]], sliding: jax.Array | None,
+                kinds: tuple[str, ...] | None) -> tuple[jax.Array, jax.Array]:   # [T, D/2] x 2
+    """The RoPE of a layer: the full layers' table, or where the sliding layers have one of
+    their own (Gemma 3), that one for a sliding layer: `sliding` (a traced bool) in a model
+    of mixed layers, else every layer's one kind (`kinds`)."""
+    if sliding is None:
+        return tables.get((kinds or ("full",))[0], tables["full"])
+    if "sliding" not in tables:
+        return tables["full"]
+    cos, sin = (jnp.where(sliding, a, b) for a, b in zip(tables["sliding"], tables["full"]))
+    return cos, sin
 
 
 def attention_backend_uses_kernels(backend: str) -> bool:
@@ -329,7 +315,7 @@ def forward(
 ) -> tuple[jax.Array, KVCache]:             # logits [R, V] or [T, V] float32; new cache
     c = config
     _, num_blocks, block_size, kvh, d = kv.k.shape
-    x = params["embed"][tokens]                                          # [T, E]
+    x = scale_embeddings(c, params["embed"][tokens])                     # [T, E]
     x, k_flat, v_flat = decoder_layers(
         c, params["layers"], x, kv.k.reshape(-1, kvh, d), kv.v.reshape(-1, kvh, d), positions,
         meta, CacheGeometry(num_blocks, block_size), attention_backend=attention_backend)
@@ -339,13 +325,25 @@ def forward(
     return final_logits(params, c, x, attention_backend), new_kv
 
 
+def scale_embeddings(config: ModelConfig, x: jax.Array) -> jax.Array:
+    """The looked-up embeddings [T, E] times the family's multiplier (Gemma sqrt(E), rounded
+    to x's dtype as transformers does; Granite's embedding_multiplier)."""
+    return x if config.embed_scale == 1.0 else x * jnp.asarray(config.embed_scale, x.dtype)
+
+
 def final_logits(params: Params, config: ModelConfig, hidden: jax.Array,
                  attention_backend: str = "auto") -> jax.Array:
     """The last hidden states [M, E] -> final norm -> logits [M, V] float32 (V / tp on a vocab
     shard): the head of every forward, on one device or a mesh."""
     x = rms_norm(hidden, params["final_norm"], config.rms_norm_eps)
-    return output_logits(params, config, x,
-                         use_kernel=attention_backend_uses_kernels(attention_backend))
+    logits = output_logits(params, config, x,
+                           use_kernel=attention_backend_uses_kernels(attention_backend))
+    if config.logits_divisor != 1.0:     # Granite
+        logits = logits / config.logits_divisor
+    if config.final_soft_cap is not None:   # Gemma 2
+        cap = config.final_soft_cap
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
 
 
 def output_logits(params: Params, config: ModelConfig, x: jax.Array, *,

@@ -68,6 +68,7 @@ from xlaserve.models.llama import (
     decoder_layers,
     final_logits,
     forward,
+    scale_embeddings,
 )
 from xlaserve.models.moe import ONE_DEVICE, ExpertShard
 from xlaserve.sharding.layout import ShardLayout
@@ -164,6 +165,8 @@ def _device_step(layout: ShardLayout, m: int, all_tokens: bool, attention_backen
 
     experts = _expert_shard(layout) if c.is_moe else ONE_DEVICE
 
+    # this stage's first layer in the model (Gemma's layers pick their kind by it)
+    first_layer = lax.axis_index("pipeline") * cache_shape[0] if pp > 1 else 0
     attend = attention
     if tp > 1 and not layout.kv_heads_split:
         attend = functools.partial(_attend_with_replicated_kv, c.num_heads)
@@ -173,9 +176,9 @@ def _device_step(layout: ShardLayout, m: int, all_tokens: bool, attention_backen
         """This stage's layers over one microbatch; x [t, E], k_flat [L/P*N*bs, K, D]."""
         return decoder_layers(c, params["layers"], x, k_flat, v_flat, positions, meta,
                               geometry, attention_backend=attention_backend, attend=attend,
-                              reduce=reduce, experts=experts)
+                              reduce=reduce, experts=experts, first_layer=first_layer)
 
-    x = _embed(params["embed"], tokens, layout.vocab_split)             # [T, E]
+    x = scale_embeddings(c, _embed(params["embed"], tokens, layout.vocab_split))   # [T, E]
     k_flat = k_cache.reshape(-1, kvh, d)                                # [L/P*N*bs, K, D]
     v_flat = v_cache.reshape(-1, kvh, d)
     if pp == 1:

@@ -35,7 +35,7 @@ def truncated(params: Params, config: ModelConfig, num_layers: int
         raise ValueError("truncated: these parameters are packed for the CPU kernels "
                          "(pack_params); pass the model's own")
     layers = jax.tree_util.tree_map(lambda a: a[:num_layers], params["layers"])
-    return {**params, "layers": layers}, config.replace(num_layers=num_layers)
+    return {**params, "layers": layers}, config.first_layers(num_layers)
 
 
 def draft_params(spec: SpeculativeConfig, params: Params, config: ModelConfig, mesh: Mesh

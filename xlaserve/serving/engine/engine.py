@@ -71,6 +71,7 @@ class LLMEngine:
         """`runner` shares an existing runner (and its compiled buckets); the scheduler may
         then use fewer KV blocks than the runner holds, e.g. to force preemption in a test.
         `draft_runner` likewise for speculative method "draft" (else built, not warmed up)."""
+        config = config.for_context(engine_config.scheduler.max_model_len)
         self.model_config = config
         self.config = engine_config
         self.tokenizer = tokenizer

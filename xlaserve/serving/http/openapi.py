@@ -57,6 +57,7 @@ class ResponseToolCall(_Body):
 class AssistantMessage(_Body):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = None   # a reasoning model's thinking (vLLM's field)
     tool_calls: list[ResponseToolCall] | None = None
 
 
@@ -103,6 +104,7 @@ class ToolCallDelta(_Body):
 class Delta(_Body):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -176,7 +176,9 @@ def tokenize(parsed: ParsedRequest, group: ModelGroup) -> list[list[int]]:
         try:
             messages, tools = render_messages(parsed.messages, parsed.tools,
                                               tok.template_takes_tools)
-            return [tok.encode_chat(messages, tools)]
+            return [tok.encode_chat(messages, tools, parsed.chat_template_kwargs)]
+        except ApiError:
+            raise
         except Exception as e:  # noqa: BLE001 (any template error, raise_exception too)
             raise ApiError(400, f"could not apply the chat template: {e}", "messages",
                            "invalid_value") from None
@@ -210,9 +212,13 @@ def sampling_params(parsed: ParsedRequest, group: ModelGroup, prompts: list[list
         param = e.field if e.field != "prompt" else (
             "messages" if parsed.kind == "chat" else "prompt")
         raise ApiError(400, str(e), param, "context_length_exceeded") from None
+    # the stop ids the tokenizer knows (generation_config.json's, a GGUF's eot / eom) on top of
+    # the engine's own (config.json's eos_token_id), unless the client asked to ignore EOS
+    stops = () if parsed.sampling.get("ignore_eos") else group.tokenizer.eos_ids
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=parsed.logprobs,
-                              constraint=parsed.constraint, **parsed.sampling)
+                              constraint=parsed.constraint, stop_token_ids=tuple(stops),
+                              **parsed.sampling)
     except ValueError as e:
         param = str(e).split("=", 1)[0] if "=" in str(e) else None
         raise ApiError(400, str(e), param, "invalid_value") from None

@@ -45,6 +45,7 @@ class ParsedRequest:
     constraint: Constraint | None = None   # what the output must match (http/structured.py)
     constraint_param: str | None = None    # the field that set it, for errors
     tools: Tools | None = None             # chat: the tools offered (http/tools.py)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat: for the template
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -216,6 +217,10 @@ def _common(req: CommonRequest, kind: str, max_n: int) -> ParsedRequest:
     return p
 
 
+# what the server itself passes to a chat template
+_TEMPLATE_OWN = ("messages", "tools", "documents", "add_generation_prompt")
+
+
 def _chat(req: ChatCompletionRequest, p: ParsedRequest) -> None:
     for m in req.messages:
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
@@ -226,7 +231,14 @@ def _chat(req: ChatCompletionRequest, p: ParsedRequest) -> None:
                 for c in m.tool_calls]
         if m.role == "tool" and m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.role == "assistant" and m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         p.messages.append(msg)
+    for k in req.chat_template_kwargs or {}:
+        if k in _TEMPLATE_OWN:
+            raise _value_error(f"chat_template_kwargs.{k}", "is set by the server, not by "
+                               "chat_template_kwargs", req.chat_template_kwargs[k])
+    p.chat_template_kwargs = dict(req.chat_template_kwargs or {})
     p.max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                     else req.max_tokens)
     if req.max_completion_tokens is not None:

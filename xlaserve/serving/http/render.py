@@ -16,9 +16,10 @@ from typing import Any
 from quart import Response
 
 from xlaserve.serving.gateway.audit import utf8_json
+from xlaserve.serving.http.chat_output import (ChatOutputParser, Parsed, chat_parser,
+                                               message_body)
 from xlaserve.serving.http.errors import ApiError
 from xlaserve.serving.http.generation import Choice, Generation
-from xlaserve.serving.http.tools import ToolCallParser
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.serving.types import EngineEvent, TokenLogprob, Usage
 
@@ -85,17 +86,10 @@ async def full_response(gen: Generation) -> Response:
     for c in gen.choices:
         lp = logprobs_body(gen, lps[c.index], 0)
         if parsed.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            message = message_body(chat_parser_of(gen, c), c.text)
             reason = c.finish_reason
-            parser = tool_parser(gen, c)
-            if parser is not None:
-                content, calls = parser.feed(c.text)
-                rest, more = parser.finish()
-                content += rest
-                if calls or more:
-                    message = {"role": "assistant", "content": content or None,
-                               "tool_calls": [k.body() for k in calls + more]}
-                    reason = "tool_calls" if reason == "stop" else reason
+            if "tool_calls" in message and reason == "stop":
+                reason = "tool_calls"
             choices.append({"index": c.index, "message": message,
                             "logprobs": lp, "finish_reason": reason})
         else:
@@ -113,7 +107,7 @@ def stream_response(gen: Generation) -> Response:
     chat = parsed.kind == "chat"
     obj = "chat.completion.chunk" if chat else "text_completion"
     offsets = {c.index: 0 for c in gen.choices}
-    parsers = {c.index: tool_parser(gen, c) for c in gen.choices}
+    parsers = {c.index: chat_parser_of(gen, c) if chat else None for c in gen.choices}
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         body: dict[str, Any] = {"id": rid, "object": obj, "created": created,
@@ -141,7 +135,7 @@ def stream_response(gen: Generation) -> Response:
                     continue  # reported once, below, after every choice ended
                 parser = parsers[c.index]
                 if parser is not None:
-                    for p in tool_chunks(piece(c, ev), ev, parser):
+                    for p in parsed_chunks(piece(c, ev), ev, parser):
                         yield chunk([p])
                 elif ev.text or ev.finished or ev.logprobs:
                     yield chunk([piece(c, ev)])
@@ -163,20 +157,22 @@ def stream_response(gen: Generation) -> Response:
     return response
 
 
-def tool_chunks(base: dict[str, Any], ev: EngineEvent, parser: ToolCallParser
-                ) -> list[dict[str, Any]]:
-    """A tool-using choice's event (`base`: its plain chunk choice) as chunk choices: the
-    content the parser lets through, per completed call its id and name then its arguments
-    (OpenAI's delta.tool_calls, by call index), and the finish reason last (`tool_calls` for
-    a choice that made calls and stopped)."""
-    content, calls = parser.feed(ev.text)
+def parsed_chunks(base: dict[str, Any], ev: EngineEvent, parser: ChatOutputParser
+                  ) -> list[dict[str, Any]]:
+    """A parsed chat choice's event (`base`: its plain chunk choice) as chunk choices: the
+    reasoning and content the parser lets through (delta.reasoning_content, delta.content),
+    per completed call its id and name then its arguments (OpenAI's delta.tool_calls, by call
+    index), and the finish reason last (`tool_calls` for a choice that made calls and
+    stopped)."""
+    p = parser.feed(ev.text)
     if ev.finished:
-        rest, more = parser.finish()
-        content, calls = content + rest, calls + more
+        q = parser.finish()
+        p = Parsed(p.reasoning + q.reasoning, p.content + q.content, p.calls + q.calls)
     i, fr = base["index"], base["finish_reason"]
-    base.update(delta={"content": content} if content else {}, finish_reason=None)
-    out = [base] if content or ev.logprobs else []
-    for k in calls:
+    delta = {k: v for k, v in (("reasoning_content", p.reasoning), ("content", p.content)) if v}
+    base.update(delta=delta, finish_reason=None)
+    out = [base] if delta or ev.logprobs else []
+    for k in p.calls:
         out.append({"index": i, "logprobs": None, "finish_reason": None, "delta": {
             "tool_calls": [{"index": k.index, "id": k.id, "type": "function",
                             "function": {"name": k.name, "arguments": ""}}]}})
@@ -184,16 +180,14 @@ def tool_chunks(base: dict[str, Any], ev: EngineEvent, parser: ToolCallParser
             "tool_calls": [{"index": k.index, "function": {"arguments": k.arguments}}]}})
     if fr is not None:
         out.append({"index": i, "delta": {}, "logprobs": None,
-                    "finish_reason": "tool_calls" if parser.calls and fr == "stop" else fr})
+                    "finish_reason": "tool_calls" if parser.made_calls and fr == "stop" else fr})
     return out
 
 
-def tool_parser(gen: Generation, c: Choice) -> ToolCallParser | None:
-    """The parser of a chat choice offered tools (tool_choice other than none), else None."""
-    tools = gen.admitted.parsed.tools
-    if tools is None or not tools.active:
-        return None
-    return ToolCallParser(f"call_{gen.admitted.trace.request_id}_{c.index}")
+def chat_parser_of(gen: Generation, c: Choice) -> ChatOutputParser | None:
+    """The output parser of a chat choice (reasoning, tool calls; http/chat_output.py)."""
+    return chat_parser(gen.group.tokenizer, gen.admitted.prompts[c.prompt_index],
+                       gen.admitted.parsed.tools, f"call_{gen.admitted.trace.request_id}_{c.index}")
 
 
 def response_id(gen: Generation) -> str:

@@ -176,6 +176,7 @@ class ChatMessage(BaseModel):
                        ] = Field(None, validate_default=True)
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Text | None = None
+    reasoning_content: Text | None = None   # an assistant's earlier reasoning (vLLM's field)
 
     @field_validator("content")
     @classmethod
@@ -268,6 +269,9 @@ class ChatCompletionRequest(CommonRequest):
     tools: _TOOLS = None
     tool_choice: _TOOL_CHOICE = None
     parallel_tool_calls: _documented({"type": "boolean"}, "Several calls in one answer") = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: extra variables for the model's chat template, such as "
+                          "Qwen3's enable_thinking")
 
 
 class CompletionRequest(CommonRequest):

@@ -129,15 +129,16 @@ def render_messages(messages: list[dict[str, Any]], tools: Tools | None,
     """The messages and `tools` argument the chat template gets.  Assistant tool calls and
     tool results become text in the model's syntax unless the template reads them itself."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         m = dict(m)
-        calls = m.pop("tool_calls", None)
+        calls = [{**c, "function": {"name": c["function"]["name"], "arguments": _arguments(
+            c["function"]["arguments"], f"messages[{i}].tool_calls[{j}].function.arguments")}}
+            for j, c in enumerate(m.pop("tool_calls", None) or [])]
         if calls and not template_takes_tools:
-            text = "\n".join(f"{OPEN}\n" + json.dumps(
-                {"name": c["function"]["name"], "arguments": json.loads(
-                    c["function"]["arguments"] or "{}")}) + f"\n{CLOSE}" for c in calls)
+            text = "\n".join(f"{OPEN}\n" + json.dumps(c["function"]) + f"\n{CLOSE}"
+                             for c in calls)
             m["content"] = (m.get("content") or "") + text
-        elif calls:
+        elif calls:   # arguments as objects, as templates (Qwen2.5's `| tojson`) expect
             m["tool_calls"] = calls
         if m["role"] == "tool" and not template_takes_tools:
             m["content"] = f"<tool_response>\n{m['content']}\n</tool_response>"
@@ -153,6 +154,17 @@ def render_messages(messages: list[dict[str, Any]], tools: Tools | None,
     else:
         out.insert(0, {"role": "system", "content": system})
     return out, None
+
+
+def _arguments(text: str, where: str) -> dict[str, Any]:
+    """An earlier call's `arguments` (JSON text, OpenAI's form) as the object it holds."""
+    try:
+        args = json.loads(text or "{}")
+    except json.JSONDecodeError as e:
+        raise invalid_value(where, f"must be a JSON object ({e.msg})") from None
+    if not isinstance(args, dict):
+        raise invalid_value(where, "must be a JSON object")
+    return args
 
 
 @dataclass

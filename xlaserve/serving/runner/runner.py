@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xlaserve.kernels.attention import resolve_backend
+from xlaserve.kernels.attention import check_model_backend, resolve_backend
 from xlaserve.kernels.cpu import huge_pages
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.kv_slots import slot_mapping
@@ -129,6 +129,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         platform = mesh.devices.flat[0].platform
         self.backend = resolve_backend(attention_backend, platform)
+        check_model_backend(config, self.backend)
         log_backend(attention_backend, self.backend, platform,
                     config.dtype + (f", {config.quantization} weights" if config.quantization
                                     else ""))
