@@ -84,6 +84,25 @@ def test_completion_json(tokenizer: Tokenizer, tmp_path: Path) -> None:
         200, ["length"], "/v1/test")
 
 
+def test_tokens_as_token_ids(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    """vLLM's return_tokens_as_token_ids: logprobs name the ids (offsets still count text)."""
+    state = make_state(tokenizer, tmp_path)
+    _, text, _ = rendered(state, "completion", {"prompt": PROMPT, "max_tokens": 3,
+                                                "logprobs": 1,
+                                                "return_tokens_as_token_ids": True})
+    (choice,) = json.loads(text)["choices"]
+    pieces = [token_text(tokenizer, t) for t in PROMPT[::-1]]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in PROMPT[::-1]]
+    assert choice["logprobs"]["top_logprobs"][0] == {f"token_id:{PROMPT[-1] + 1}": -0.11}
+    assert choice["logprobs"]["text_offset"] == [0, len(pieces[0]),
+                                                 len(pieces[0]) + len(pieces[1])]
+    _, text, _ = rendered(state, "chat", {"messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 2, "logprobs": True,
+                                          "return_tokens_as_token_ids": True})
+    content = json.loads(text)["choices"][0]["logprobs"]["content"]
+    assert [c["token"].split(":")[0] for c in content] == ["token_id", "token_id"]
+
+
 def test_chat_stream(tokenizer: Tokenizer, tmp_path: Path) -> None:
     state = make_state(tokenizer, tmp_path)
     status, text, _ = rendered(state, "chat", {

@@ -40,6 +40,7 @@ class ParsedRequest:
     logprobs: int | None = None       # top-k alternatives wanted; None = no logprobs
     priority: int = 0
     speculative: bool = True          # false: this request never verifies draft tokens
+    tokens_as_ids: bool = False       # logprobs name tokens "token_id:<id>" (vLLM's option)
     user: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
     constraint: Constraint | None = None   # what the output must match (http/structured.py)
@@ -198,7 +199,8 @@ def parse(kind: str, body: dict[str, Any], max_n: int) -> ParsedRequest:
 def _common(req: CommonRequest, kind: str, max_n: int) -> ParsedRequest:
     p = ParsedRequest(kind, req.model, n=req.n or 1, stream=bool(req.stream),
                       priority=req.priority or 0, user=req.user,
-                      speculative=req.speculative is not False)
+                      speculative=req.speculative is not False,
+                      tokens_as_ids=bool(req.return_tokens_as_token_ids))
     if p.n > max_n:
         raise _value_error("n", f"must be between 1 and {max_n}", p.n)
     if req.stream_options is not None:

@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from quart import Response
@@ -208,30 +208,41 @@ def logprobs_body(gen: Generation, entries: Sequence[TokenLogprob], offset: int
     parsed, tok = gen.admitted.parsed, gen.group.tokenizer
     if parsed.logprobs is None:
         return None
+    name = token_id_name if parsed.tokens_as_ids else None
     if parsed.kind == "chat":
-        return chat_logprobs(entries, tok)
-    return completion_logprobs(entries, tok, offset)
+        return chat_logprobs(entries, tok, name)
+    return completion_logprobs(entries, tok, offset, name)
 
 
 def token_text(tok: Tokenizer, token_id: int) -> str:
     return tok.decode([token_id], skip_special_tokens=False)
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], tok: Tokenizer) -> dict[str, Any]:
+def token_id_name(token_id: int) -> str:
+    """A logprobs token as vLLM's `return_tokens_as_token_ids` writes it."""
+    return f"token_id:{token_id}"
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], tok: Tokenizer,
+                  name: Callable[[int], str] | None = None) -> dict[str, Any]:
     """`bytes` are the token's own bytes (`Tokenizer.token_bytes`), so that a client can
-    rebuild a character split over several tokens."""
+    rebuild a character split over several tokens; `name` writes each token (default: its
+    text)."""
     def one(tid: int, lp: float) -> dict[str, Any]:
-        return {"token": token_text(tok, tid), "logprob": lp,
+        return {"token": name(tid) if name else token_text(tok, tid), "logprob": lp,
                 "bytes": list(tok.token_bytes(tid))}
 
     return {"content": [{**one(e.token_id, e.logprob),
                          "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], tok: Tokenizer, offset: int
-                        ) -> dict[str, Any]:
-    tokens = [token_text(tok, e.token_id) for e in entries]
-    starts = itertools.accumulate([offset, *map(len, tokens)])   # where each token's text starts
+def completion_logprobs(entries: Sequence[TokenLogprob], tok: Tokenizer, offset: int,
+                        name: Callable[[int], str] | None = None) -> dict[str, Any]:
+    """`name` writes each token (default: its text; the offsets count text either way)."""
+    texts = [token_text(tok, e.token_id) for e in entries]
+    tokens = [name(e.token_id) for e in entries] if name else texts
+    starts = itertools.accumulate([offset, *map(len, texts)])   # where each token's text starts
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(tok, i): lp for i, lp in e.top} for e in entries],
+            "top_logprobs": [{name(i) if name else token_text(tok, i): lp for i, lp in e.top}
+                             for e in entries],
             "text_offset": list(starts)[:len(tokens)]}

@@ -228,6 +228,8 @@ class CommonRequest(BaseModel):
     seed: integer(ge=SEED_MIN, le=SEED_MAX) = None
     stop: Annotated[Text | list[Text] | None, one_of("a string or a list of strings")] = None
     ignore_eos: bool | None = Field(None, description="vLLM's: run to max_tokens")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="vLLM's: logprobs name each token 'token_id:<id>'")
     response_format: _RESPONSE_FORMAT = None
     guided_json: _documented({}, "vLLM's: a JSON schema (object or JSON text)") = None
     guided_regex: _documented({"type": "string", "minLength": 1},
