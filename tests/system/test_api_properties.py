@@ -2,7 +2,8 @@
 (valid ones and ones that break it: wrong types, out-of-range values, unknown fields, missing
 fields) and sends them to the real SmolLM2 server (the session's `front`).  Every response is
 a 2xx whose body matches the document's response model (each event of a stream too, and no
-error event unless the request broke the document), or a 4xx with the OpenAI error shape; never a 5xx, a hang (a 60 s read timeout) or a dropped connection.
+error event unless the request broke the document), or a 4xx with the OpenAI error shape;
+never a 5xx, a hang (a 60 s read timeout) or a dropped connection.
 
 Bounded: a fixed number of examples per operation and a derandomized seed, so a run is the same
 set of requests each time; generated bodies run on the model with at most 4 new tokens

@@ -3,7 +3,7 @@ workers and a decode worker, started by an `xlaserve serve` front end as its chi
 (configs/disagg.toml: spawn_workers, as the smollm2-disagg preset), every hop carrying the
 bearer token:
 
-- greedy outputs through prefill worker -> KV over gRPC -> decode worker equal the unified
+- greedy token ids through prefill worker -> KV over gRPC -> decode worker equal the unified
   engine's (the decode worker serving whole requests, as any worker does) for the 8-prompt
   parity set and a 32-request mixed workload sent at once; the decode worker's prefix cache
   shows the prompts' blocks arriving instead of being computed, all of them by the prefetch
@@ -91,13 +91,15 @@ class Split:
         self.live = [*prefills, decode]   # the workers not killed by a test
 
     def complete(self, ids: list[int], max_tokens: int) -> list[int]:
-        """Greedy tokens through the split, read back from the completion's logprobs."""
+        """Greedy token ids through the split, read back from the completion's logprobs
+        (`return_tokens_as_token_ids`: "token_id:<id>")."""
         r = httpx.post(self.front.url + "/v1/completions", timeout=120, json={
             "model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-            "logprobs": 0, "ignore_eos": True})
+            "logprobs": 0, "ignore_eos": True, "return_tokens_as_token_ids": True})
         assert r.status_code == 200, r.text
         tokens = r.json()["choices"][0]["logprobs"]["tokens"]
-        return tokens
+        assert all(t.startswith("token_id:") for t in tokens), tokens
+        return [int(t.removeprefix("token_id:")) for t in tokens]
 
     def idle(self) -> bool:
         return all(w.idle() for w in self.live)
@@ -149,11 +151,7 @@ def prompts(tokenizer) -> list[list[int]]:
     return out
 
 
-def detok(tokenizer, ids: list[int]) -> list[str]:
-    return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-
-
-def test_split_tokens_equal_the_unified_engine(split, prompts, tokenizer):
+def test_split_tokens_equal_the_unified_engine(split, prompts):
     before = split.decode.stats()
     got = [split.complete(p, 12) for p in prompts]
     # each prompt's full blocks came over from the prefill worker: prefix hits on the decode
@@ -165,18 +163,18 @@ def test_split_tokens_equal_the_unified_engine(split, prompts, tokenizer):
     assert after.kv_blocks_prefetched - before.kv_blocks_prefetched == came // 16, after
     assert after.kv_blocks_fetched == before.kv_blocks_fetched, after
     for p, tokens in zip(prompts, got):
-        assert tokens == detok(tokenizer, split.decode.generate(p, 12)), len(p)
+        assert tokens == split.decode.generate(p, 12), len(p)
     assert wait_for(split.idle, 10)
     # the front end's /metrics: one transfer per request, bytes = the blocks' K and V
     assert split.front.metric("xlaserve_kv_transfer_seconds_count") == len(prompts)
     assert split.front.metric("xlaserve_kv_transfer_bytes_total") == 2 * came * KV_BYTES
 
 
-def test_32_requests_at_once_equal_the_unified_engine(split, prompts, tokenizer):
+def test_32_requests_at_once_equal_the_unified_engine(split, prompts):
     rng = np.random.default_rng(32)
     work = [(prompts[i % 8][: int(rng.integers(8, len(prompts[i % 8]) + 1))],
              int(rng.integers(1, 24))) for i in range(32)]
-    got: dict[int, list[str]] = {}
+    got: dict[int, list[int]] = {}
 
     def one(i: int) -> None:
         got[i] = split.complete(*work[i])
@@ -187,7 +185,7 @@ def test_32_requests_at_once_equal_the_unified_engine(split, prompts, tokenizer)
     for t in threads:
         t.join(300)
     for i, (p, n) in enumerate(work):
-        assert got.get(i) == detok(tokenizer, split.decode.generate(p, n)), (i, len(p), n)
+        assert got.get(i) == split.decode.generate(p, n), (i, len(p), n)
     assert wait_for(split.idle, 10)
 
 

@@ -108,7 +108,8 @@ def test_abort_mid_verification_frees_every_block(warm_engine, smollm2, corpus_i
                        ignore_eos=True))
     step_until_verifying(engine, "a")
     held = engine.scheduler.kv_cache.num_tokens("a")
-    assert held > engine.scheduler.request_state("a").num_computed_tokens   # KV slots reserved for drafts
+    # KV slots reserved for the drafts
+    assert held > engine.scheduler.request_state("a").num_computed_tokens
     assert engine.abort("a")
     engine.scheduler.check_integrity()
     assert "a" not in engine.scheduler.kv_cache
@@ -124,7 +125,8 @@ def test_abort_mid_verification_frees_every_block(warm_engine, smollm2, corpus_i
 def test_failed_verify_step_errors_its_request_and_serves_the_next(
         warm_engine, smollm2, corpus_ids, monkeypatch) -> None:
     """The first verify step's results are lost on device: its request ends with "error",
-    every block (the drafts' KV slots too) is freed, and a request after it is served with drafts."""
+    every block (the drafts' KV slots too) is freed, and a request after it is served with
+    drafts."""
     from tests.serving.engine.test_step_failure import run_with_recovery
 
     engine = new_engine(warm_engine, smollm2, speculative=SPEC)

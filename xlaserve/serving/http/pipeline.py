@@ -267,9 +267,10 @@ async def admit(state: ServingState, group: ModelGroup, principal: Principal,
 
 
 def start_generation(state: ServingState, admitted: Admitted) -> Generation:
-    """Its Generation (or, failing that, the admission lanes and reservation back, and an audit line).
-    Safety net: a client gone before a streamed body starts never runs the body's `finally`,
-    so when this request's task ends, whatever is still open is closed (as a 499)."""
+    """Its Generation (or, failing that, the admission lanes and reservation back, and an
+    audit line).  Safety net: a client gone before a streamed body starts never runs the
+    body's `finally`, so when this request's task ends, whatever is still open is closed (as
+    a 499)."""
     try:
         gen = Generation(state, admitted)
     except BaseException as e:
