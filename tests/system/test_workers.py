@@ -173,13 +173,23 @@ def test_a_worker_turns_away_callers_without_the_token_or_tls(cluster):
 
 
 def test_grpc_deadline_aborts_and_frees_blocks(cluster, tokenizer):
+    """The deadline is relative to this box's speed: the time a first token takes here (the
+    same prompt, one token) thrice, plus 20 decode steps, far below the 400 the call asks."""
     w = cluster.workers[0]
     assert wait_for(w.idle, 10)
+    prompt = tokenizer.encode_chat(chat("Count from 1 to 300."))
+    start = time.monotonic()
+    list(w.stub.Generate(pb.GenerateRequest(model=MODEL, prompt_token_ids=prompt,
+                                            sampling=pb.SamplingParams(max_tokens=1)),
+                         timeout=120))
+    first_token_s, step_s = time.monotonic() - start, w.stats().step_s
+    deadline = 3 * first_token_s + 20 * step_s
+    assert step_s > 0 and 400 * step_s > 2 * deadline, (first_token_s, step_s)
+    assert wait_for(w.idle, 10)
     call = w.stub.Generate(pb.GenerateRequest(
-        model=MODEL, request_id="deadline-1",
-        prompt_token_ids=tokenizer.encode_chat(chat("Count from 1 to 300.")),
+        model=MODEL, request_id="deadline-1", prompt_token_ids=prompt,
         sampling=pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)),
-        timeout=2.0)
+        timeout=deadline)
     got, used = 0, 0
     with pytest.raises(grpc.RpcError) as e:
         for m in call:
