@@ -84,7 +84,7 @@ def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
                quiet: bool = False, quantize: str | None = None) -> ModelConfig:
     from safetensors import safe_open
 
-    from xlaserve.serving.tokenizer import tokenizer_from_hf
+    from xlaserve.serving.tokenizer import hf_stop_ids, tokenizer_from_hf
 
     src = Path(src)
     check_output(out, overwrite, src)
@@ -127,5 +127,8 @@ def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
         config, params = quantized(config, params, quantize)
         save_params(tmp, params)
         tokenizer_from_hf(src, tmp, config.eos_token_ids)
+        # the model stops where its checkpoint says: generation_config.json and the tokenizer's
+        # eos as well as config.json (`xlaserve generate`, the bench commands read these)
+        config = config.replace(eos_token_ids=tuple(hf_stop_ids(src, config.eos_token_ids)))
         config.save(tmp / CONFIG_FILE)
     return config

@@ -206,7 +206,8 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
         )
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
-    eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
+    eom = _field(reader, "tokenizer.ggml.eom_token_id")   # Llama 3.1's end of message
+    eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot, eom) if x is not None))
     ours = GGUF_ARCHITECTURES[arch]
 
     def small_tensor(name: str) -> list[float] | None:
