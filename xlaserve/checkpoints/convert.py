@@ -15,6 +15,7 @@ from xlaserve.checkpoints.gguf_file import gguf_tokenizer_fields, read_gguf
 from xlaserve.checkpoints.layout import params_from_hf
 from xlaserve.checkpoints.store import CONFIG_FILE, atomic_folder, check_output, save_params
 from xlaserve.models.config import ModelConfig
+from xlaserve.models.families import config_from_hf
 from xlaserve.models.quantize import check_quantization, quantize_params
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
         raise CheckpointError(f"{src}: no config.json")
     try:
         hf = json.loads(cfg_path.read_text())
-        config = ModelConfig.from_hf(hf)
+        config = config_from_hf(hf)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{cfg_path}: {type(e).__name__}: {e}") from e
     files = sorted(src.glob("*.safetensors"))
