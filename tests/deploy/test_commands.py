@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.manifests import KUSTOMIZE, Obj, find, kustomizations, name, pod_templates, \
-    render
+from tests.deploy.manifests import KUSTOMIZE, Obj, find, kustomizations, name, pod_templates, render
 from xlaserve import cli, compile_cache
 from xlaserve.serving.config_file import load_serve_config
 from xlaserve.serving.server_config import ServerConfig, replica_target
@@ -28,7 +27,9 @@ ENTRYPOINT = ["xlaserve"]          # deploy/Containerfile's ENTRYPOINT (test_con
 FETCH_MODEL = "/opt/xlaserve/bin/fetch-model.sh"   # where the Containerfile copies it
 
 
-class Parsed(Exception):  # noqa: N818 - a signal, not an error
+class Parsed(Exception):
+    """Raised by the patched parser with what it parsed: the command stops there."""
+
     def __init__(self, prog: str, args: argparse.Namespace):
         super().__init__(prog)
         self.prog, self.namespace = prog, args
@@ -214,7 +215,7 @@ def test_multihost_environment_is_what_the_distributed_code_reads(
         # what LWS injects into every pod of group 0 (index: 0 leader, 1.. followers)
         lws_env = {"LWS_LEADER_ADDRESS": "xlaserve-0.xlaserve.xlaserve",
                    "LWS_GROUP_SIZE": str(size), "LWS_WORKER_INDEX": str(index)}
-        env = {e["name"]: re.sub(r"\$\((\w+)\)", lambda v: lws_env[v[1]], e["value"])
+        env = {e["name"]: re.sub(r"\$\((\w+)\)", lambda v, lws=lws_env: lws[v[1]], e["value"])
                for e in c["env"] if "value" in e}
         assert {k for k in env if k.startswith(ENV_PREFIX)} <= ours, (where, sorted(env))
         _, args = parse_command_line(c["args"], monkeypatch)
@@ -250,7 +251,7 @@ def test_hpa_scales_on_a_metric_the_server_exports() -> None:
 
     from xlaserve.serving.metrics import Metrics
 
-    exported = Metrics(lambda: []).render()
+    exported = Metrics(list).render()
     text = exported.decode() if isinstance(exported, bytes) else exported
     (hpa,) = [o for o in render(KUSTOMIZE / "base" / "single")
               if o["kind"] == "HorizontalPodAutoscaler"]

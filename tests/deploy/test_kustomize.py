@@ -12,8 +12,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.manifests import (KUSTOMIZE, Obj, find, kustomizations, name, pod_templates,
-                                    render, validate)
+from tests.deploy.manifests import (
+    KUSTOMIZE,
+    Obj,
+    find,
+    kustomizations,
+    name,
+    pod_templates,
+    render,
+    validate,
+)
 
 DIRS = kustomizations()
 SHAPES = ("single", "front-workers", "multihost", "disagg")
