@@ -10,6 +10,7 @@ environment resolved by DistributedConfig as the two-process jax.distributed cod
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -46,6 +47,8 @@ def parse_command_line(argv: list[str], monkeypatch: pytest.MonkeyPatch
         raise Parsed(self.prog, original(self, args, namespace))
 
     with monkeypatch.context() as m:
+        # cli.main sets the xlaserve logger to INFO for the server's start-up lines: undone
+        m.setattr(logging.getLogger("xlaserve"), "level", logging.getLogger("xlaserve").level)
         m.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
         m.setattr(compile_cache, "enable_compilation_cache", lambda *a, **k: None)
         try:
