@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from tests.serving.certs import CertAuthority
 from tests.serving.fake_clock import Clock
 from xlaserve.serving.admission import AdmissionController
 from xlaserve.serving.engine_api import EngineStats
@@ -264,5 +266,29 @@ def test_grpc_health_check_reads_the_workers_health_service() -> None:
         finally:
             await server.stop(0)
         assert await check(target) is False             # nothing listening
+
+    asyncio.run(scenario())
+
+
+def test_grpc_health_check_over_tls_checks_the_certificate_against_server_name(
+        tmp_path: Path) -> None:
+    ca = CertAuthority(tmp_path, "ca")
+    server_files = ca.issue("worker", server=True)       # names 127.0.0.1 and localhost only
+    credentials = grpc.ssl_channel_credentials(ca.cert.read_bytes())
+
+    async def scenario() -> None:
+        server = grpc.aio.server()
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_secure_port("127.0.0.2:0", grpc.ssl_server_credentials(
+            [(server_files.key.read_bytes(), server_files.cert.read_bytes())]))
+        await server.start()
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        target = f"127.0.0.2:{port}"                      # an IP its certificate does not name
+        try:
+            assert await grpc_health_check(credentials)(target) is False
+            assert await grpc_health_check(credentials, server_name="localhost")(target) is True
+        finally:
+            await server.stop(0)
 
     asyncio.run(scenario())

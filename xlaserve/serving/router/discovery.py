@@ -17,6 +17,11 @@ same list).  A group keeps at least one replica: the last one is drained only on
 joined, so a name that resolves to nothing for a moment (a rolling update, a DNS hiccup)
 leaves the group unready (its engine reports so), never without a tokenizer.  Static replica
 lists (`grpc://host:port`) do not go through here.
+
+TLS: the addresses are IPs, so whoever builds the engines and the health check dials each one
+with the Service's name as the TLS server name (`grpc_health_check(server_name=...)`, and the
+same `grpc.ssl_target_name_override` for the engine's channel); the workers' certificate names
+the Service.
 """
 
 from __future__ import annotations
@@ -55,12 +60,18 @@ async def dns_resolver(host: str, port: int) -> set[str]:
             for ip in (info[4][0] for info in infos)}
 
 
-def grpc_health_check(credentials: grpc.ChannelCredentials | None, timeout_s: float = 2.0
-                      ) -> HealthCheck:
-    """A check asking the worker's grpc.health.v1 service (overall status, service "")."""
+def grpc_health_check(credentials: grpc.ChannelCredentials | None, timeout_s: float = 2.0,
+                      server_name: str = "") -> HealthCheck:
+    """A check asking the worker's grpc.health.v1 service (overall status, service "").
+
+    A discovered worker is dialled by its IP address, which its certificate does not name:
+    with TLS, `server_name` (the Service's DNS name, which the workers' certificate does name)
+    is the name the certificate is checked against."""
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+
     async def check(target: str) -> bool:
-        channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
-                   else grpc.aio.insecure_channel(target))
+        channel = (grpc.aio.secure_channel(target, credentials, options=options)
+                   if credentials is not None else grpc.aio.insecure_channel(target))
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
