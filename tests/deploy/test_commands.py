@@ -263,3 +263,27 @@ def test_hpa_scales_on_a_metric_the_server_exports() -> None:
     adapter = yaml.safe_load((KUSTOMIZE / "prometheus-adapter" / "values.yaml").read_text())
     assert any(metric["pods"]["metric"]["name"] in r["seriesQuery"]
                for r in adapter["rules"]["custom"])
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_the_images_default_command_is_one_the_cli_accepts(
+        target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from tests.deploy.test_containerfile import BY_NAME
+
+    cmd = json.loads(BY_NAME[target].last("CMD") or "null")
+    prog, args = parse_command_line(cmd, monkeypatch)
+    assert (prog, args.config) == ("xlaserve serve", "/etc/xlaserve/config.toml")
+    mount = {c["args"][2] for d in BASES for _, _, c in engine_containers(render(d))}
+    assert mount == {args.config}, "every manifest mounts its config where the image looks"
+
+
+def test_fetch_model_converts_with_flags_the_cli_accepts() -> None:
+    script = (KUSTOMIZE.parents[0] / "image" / "fetch-model.sh").read_text()
+    line = 'xlaserve convert gguf "$gguf" "$MODEL_DIR/.partial" --overwrite --quiet'
+    assert line in script
+    args = cli.build_parser().parse_args(["convert", "gguf", "m.gguf", "/models/m/.partial",
+                                          "--overwrite", "--quiet", "--quantize", "int8"])
+    assert (args.format, args.overwrite, args.quiet, args.quantize) == ("gguf", True, True,
+                                                                        "int8")
