@@ -76,7 +76,7 @@ def write_family_gguf(hf, path: Path) -> None:
 
     hf.save_pretrained(path.parent / "hf")
     state = load_file(path.parent / "hf" / "model.safetensors")
-    ours = config_from_hf(ModelConfig, hf.config.to_dict())
+    ours = config_from_hf(hf.config.to_dict())
     arch = _ARCH[hf.config.model_type]
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, hf.config, ours)
@@ -132,7 +132,7 @@ def test_family_gguf_matches_transformers(name: str, tmp_path: Path) -> None:
     write_family_gguf(hf, path)
     convert_gguf(path, tmp_path / "ours", quiet=True)
     model = load_model(tmp_path / "ours")
-    want = config_from_hf(ModelConfig, hf.config.to_dict())
+    want = config_from_hf(hf.config.to_dict())
     got = model.config
     for key, value in want.to_dict().items():   # GGUF metadata is float32
         if key not in ("bos_token_id", "eos_token_ids"):

@@ -102,3 +102,29 @@ def reference(params: Params, config: ModelConfig, steps: list[Step],
 def used_blocks(kv: KVCache) -> tuple[np.ndarray, np.ndarray]:
     """The cache without block 0, where padding tokens write (in no defined order)."""
     return np.asarray(kv.k)[:, 1:], np.asarray(kv.v)[:, 1:]
+
+
+def assert_folder_matches_one_device(folder, mesh_config) -> None:
+    """A converted model folder restored into `mesh_config`'s layout: ragged prefill rows
+    (pipeline microbatches cut through rows), then a decode step, give the one-device logits
+    and used KV blocks (within 1e-5 of their scale)."""
+    from xlaserve.checkpoints.store import load_config, load_params
+    from xlaserve.models.llama import init_kv_cache
+    from xlaserve.sharding.layout import ShardLayout
+    from xlaserve.sharding.mesh import make_mesh
+    from xlaserve.sharding.parallel_forward import make_sharded_forward
+
+    config = load_config(folder)
+    one = load_params(folder, config, make_mesh())
+    steps = [ragged_prefill(config.vocab_size), decode_after_prefill(config.vocab_size)]
+    expected = reference(one, config, steps, init_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE))
+    mesh = make_mesh(mesh_config)
+    layout = ShardLayout.create(config, mesh)
+    fwd = make_sharded_forward(config, mesh)
+    params = load_params(folder, config, mesh)
+    kv = layout.init_kv_cache(mesh, NUM_BLOCKS, BLOCK_SIZE)
+    for step, (want, want_kv) in zip(steps, expected):
+        logits, kv = run(fwd, params, config, step, kv)
+        np.testing.assert_allclose(logits, want, rtol=0, atol=1e-5 * np.abs(want).max())
+        for got, ref in zip(used_blocks(kv), used_blocks(want_kv)):
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())

@@ -17,7 +17,6 @@ import torch
 from tests.helpers import max_rel_error
 from tests.moe_models import convert_moe
 from xlaserve.checkpoints.store import load_config, load_params
-from xlaserve.models.llama import init_kv_cache
 from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.mesh import MeshConfig, make_mesh
 from xlaserve.sharding.parallel_forward import make_sharded_forward
@@ -25,12 +24,10 @@ from xlaserve.sharding.parallel_forward import make_sharded_forward
 from .scenarios import (
     BLOCK_SIZE,
     NUM_BLOCKS,
+    assert_folder_matches_one_device,
     decode_after_prefill,
     make_step,
-    ragged_prefill,
-    reference,
     run,
-    used_blocks,
 )
 from .test_hlo import count, loop_bodies
 
@@ -78,20 +75,7 @@ def test_ep_layout_matches_one_device_on_ragged_steps(moe_models, layout_name: s
     """Four ragged prefill rows padded to 20 tokens (pp2 cuts microbatches through rows), then a
     decode step: logits and the used KV blocks as on one device."""
     folder, _ = moe_models["qwen2-moe-shared"]
-    config = load_config(folder)
-    one = load_params(folder, config, make_mesh())
-    steps = [ragged_prefill(config.vocab_size), decode_after_prefill(config.vocab_size)]
-    expected = reference(one, config, steps, init_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE))
-    mesh = make_mesh(LAYOUTS[layout_name])
-    layout = ShardLayout.create(config, mesh)
-    fwd = make_sharded_forward(config, mesh)
-    params = load_params(folder, config, mesh)
-    kv = layout.init_kv_cache(mesh, NUM_BLOCKS, BLOCK_SIZE)
-    for step, (want, want_kv) in zip(steps, expected):
-        logits, kv = run(fwd, params, config, step, kv)
-        np.testing.assert_allclose(logits, want, rtol=0, atol=1e-5 * np.abs(want).max())
-        for got, ref in zip(used_blocks(kv), used_blocks(want_kv)):
-            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    assert_folder_matches_one_device(folder, LAYOUTS[layout_name])
 
 
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))

@@ -2,12 +2,15 @@
 process; a peer killed under load makes process 0 answer with an error and exit 1, one killed
 while process 0 is idle ends it through jax's heartbeat check; SIGTERM stops both cleanly.
 
-    process 0: xlaserve serve --config C   (XLASERVE_PROCESS_ID=0)  HTTP :port, scheduler
-    process 1: xlaserve serve --config C   (XLASERVE_PROCESS_ID=1)  follows process 0
+    process 0: xlaserve serve --config C   (LWS_WORKER_INDEX=0)  HTTP :port, scheduler
+    process 1: xlaserve serve --config C   (LWS_WORKER_INDEX=1)  follows process 0
     reference: xlaserve serve --config R   one process, one device  HTTP :port'
 
-C has a `[distributed]` table (coordinator, num_processes); each process sets only its id in
-the environment.  Each process has two CPU devices (gloo collectives over loopback), and the
+Each process gets the environment the multi-host manifest gives its pod
+(deploy/kubernetes/base/multihost/leaderworkerset.yaml, read by tests/deploy/lws_env.py):
+XLASERVE_COORDINATOR, XLASERVE_NUM_PROCESSES and XLASERVE_PROCESS_ID from LeaderWorkerSet's
+variables, the coordinator port swapped for a free one; C's `[distributed]` table holds the
+rest.  Each process has two CPU devices (gloo collectives over loopback), and the
 model's `pipeline=2 x tensor=2` mesh spans all four: stage 0 on process 0's devices, stage 1
 on process 1's.  The model is a tiny random Llama (tests/multidevice/scenarios.TINY: 8 heads,
 4 layers) saved as a model folder: SmolLM2-135M's 9 heads forbid tensor=2, and its 30 layers
@@ -31,6 +34,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.deploy.lws_env import lws_pod_env
 from xlaserve.serving.http.server import load_serve_config
 from xlaserve.sharding.distributed import DistributedConfig
 
@@ -133,14 +137,16 @@ def choices(response: httpx.Response) -> list[tuple[str, list[str], list[float]]
 
 
 def start_pair(servers: Servers, tmp: Path, model: Path, **env: str) -> int:
-    """Both processes of the two-process server; returns process 0's HTTP port."""
+    """Both processes of the two-process server, each with the environment the multi-host
+    manifest gives its pod (tests/deploy/lws_env.py: XLASERVE_COORDINATOR, _NUM_PROCESSES,
+    _PROCESS_ID from LWS's variables); returns process 0's HTTP port."""
     port, coordinator = free_port(), free_port()
     config = tmp / "two_processes.toml"
     config.write_text(server_toml(model, port, mesh="{ pipeline = 2, tensor = 2 }",
-                                  distributed=f'\n[distributed]\ncoordinator = '
-                                              f'"127.0.0.1:{coordinator}"\nnum_processes = 2\n'))
-    servers.start("process1", config, XLASERVE_PROCESS_ID="1", **env)
-    servers.start("process0", config, XLASERVE_PROCESS_ID="0", **env)
+                                  distributed="\n[distributed]\nheartbeat_timeout_s = 10\n"))
+    for index in (1, 0):
+        pod_env = lws_pod_env(index, 2, "127.0.0.1", coordinator)
+        servers.start(f"process{index}", config, **{**pod_env, **env})
     return port
 
 

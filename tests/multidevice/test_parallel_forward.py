@@ -12,8 +12,20 @@ from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.mesh import MeshConfig, make_mesh, make_replica_meshes
 from xlaserve.sharding.parallel_forward import make_sharded_forward
 
-from .scenarios import (BLOCK_SIZE, NUM_BLOCKS, TINY, TINY_GQA, Step, decode_after_prefill,
-                        make_step, ragged_prefill, reference, run, tiny_params, used_blocks)
+from .scenarios import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    TINY,
+    TINY_GQA,
+    Step,
+    decode_after_prefill,
+    make_step,
+    ragged_prefill,
+    reference,
+    run,
+    tiny_params,
+    used_blocks,
+)
 
 TOL = 1e-5
 

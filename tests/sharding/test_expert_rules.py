@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.models.config import ModelConfig
+from xlaserve.models.families import config_from_hf
 from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.mesh import MeshConfig
 
@@ -59,7 +60,7 @@ def test_moe_config_errors() -> None:
                                              r"not supported for mixture-of-experts"):
             MOE.replace(quantization=mode)
     with pytest.raises(ValueError, match=r"mlp_only_layers=\[1\]"):
-        ModelConfig.from_hf({"model_type": "qwen2_moe", "vocab_size": 8, "hidden_size": 8,
+        config_from_hf({"model_type": "qwen2_moe", "vocab_size": 8, "hidden_size": 8,
                              "intermediate_size": 8, "num_hidden_layers": 2,
                              "num_attention_heads": 2, "num_experts": 4,
                              "num_experts_per_tok": 2, "moe_intermediate_size": 8,

@@ -15,6 +15,7 @@ from xlaserve.checkpoints.gguf_file import gguf_tokenizer_fields, read_gguf
 from xlaserve.checkpoints.layout import params_from_hf
 from xlaserve.checkpoints.store import CONFIG_FILE, atomic_folder, check_output, save_params
 from xlaserve.models.config import ModelConfig
+from xlaserve.models.families import config_from_hf
 from xlaserve.models.quantize import check_quantization, quantize_params
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
                quiet: bool = False, quantize: str | None = None) -> ModelConfig:
     from safetensors import safe_open
 
-    from xlaserve.serving.tokenizer import tokenizer_from_hf
+    from xlaserve.serving.tokenizer import hf_stop_ids, tokenizer_from_hf
 
     src = Path(src)
     check_output(out, overwrite, src)
@@ -95,7 +96,7 @@ def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
         raise CheckpointError(f"{src}: no config.json")
     try:
         hf = json.loads(cfg_path.read_text())
-        config = ModelConfig.from_hf(hf)
+        config = config_from_hf(hf)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{cfg_path}: {type(e).__name__}: {e}") from e
     files = sorted(src.glob("*.safetensors"))
@@ -127,5 +128,8 @@ def convert_hf(src: str | Path, out: str | Path, *, overwrite: bool = False,
         config, params = quantized(config, params, quantize)
         save_params(tmp, params)
         tokenizer_from_hf(src, tmp, config.eos_token_ids)
+        # the model stops where its checkpoint says: generation_config.json and the tokenizer's
+        # eos as well as config.json (`xlaserve generate`, the bench commands read these)
+        config = config.replace(eos_token_ids=tuple(hf_stop_ids(src, config.eos_token_ids)))
         config.save(tmp / CONFIG_FILE)
     return config

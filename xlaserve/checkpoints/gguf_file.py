@@ -147,6 +147,28 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
     path = Path(path)
+    reader = _open(path)
+    arch = _field(reader, "general.architecture")
+    if GGUF_ARCHITECTURES.get(arch) not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(f"{path}: unsupported architecture {arch!r} "
+                              f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    metadata = {k: _field(reader, k) for k in reader.fields
+                if not k.startswith("tokenizer.ggml.") and not k.startswith("GGUF.")}
+    by_name = {t.name: t for t in reader.tensors}
+    try:
+        config = _config(reader, path, arch, by_name, dtype)
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+    tensors, experts = _layer_tensors(reader, path, config)
+    return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors,
+                     experts=experts, permuted_qk=arch in PERMUTED_QK,
+                     residual_multiplier=float(_field(reader, f"{arch}.residual_scale", 1.0)))
+
+
+def _open(path: Path) -> Any:
+    """A GGUFReader of `path`, its tensors checked to lie inside the file."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     try:
@@ -155,20 +177,47 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the gguf package raises bare ValueError/IndexError/struct errors
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
-
     size = path.stat().st_size
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise CheckpointError(f"{path}: truncated: tensor {t.name} needs bytes up to "
                                   f"{t.data_offset + t.n_bytes}, file has {size}")
+    return reader
 
-    arch = _field(reader, "general.architecture")
-    if GGUF_ARCHITECTURES.get(arch) not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(f"{path}: unsupported architecture {arch!r} "
-                              f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
-    metadata = {k: _field(reader, k) for k in reader.fields
-                if not k.startswith("tokenizer.ggml.") and not k.startswith("GGUF.")}
 
+def _values(t: Any) -> list[float]:
+    import gguf
+
+    return [float(f) for f in np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
+                                         np.float32).reshape(-1)]
+
+
+def _rope(reader: Any, path: Path, arch: str, by_name: dict[str, Any]
+          ) -> tuple[RopeScaling | None, tuple[float, ...] | None]:
+    """The RoPE scaling of the metadata, or llama.cpp's `rope_freqs` divisors."""
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none", "llama3", "linear"):
+        raise CheckpointError(f"{path}: unsupported rope scaling type {scaling_type!r} in "
+                              f"{arch}.rope.scaling.type (supported: none, llama3, linear)")
+    if "rope_freqs.weight" in by_name:
+        # llama.cpp's form of Llama 3.1/3.2 scaling: one divisor per rotary frequency
+        return None, tuple(_values(by_name["rope_freqs.weight"]))
+    key = f"{arch}.rope.scaling"
+    if scaling_type == "linear":   # Gemma 3's full layers
+        return RopeScaling(kind="linear", factor=float(_field(reader, f"{key}.factor", 1.0))), None
+    if scaling_type == "llama3":  # rarely stored as metadata; llama.cpp writes rope_freqs instead
+        return RopeScaling(
+            factor=float(_field(reader, f"{key}.factor")),
+            low_freq_factor=float(_field(reader, f"{key}.low_freq_factor", 1.0)),
+            high_freq_factor=float(_field(reader, f"{key}.high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                _field(reader, f"{key}.original_context_length", 8192))), None
+    return None, None
+
+
+def _config(reader: Any, path: Path, arch: str, by_name: dict[str, Any],
+            dtype: str) -> ModelConfig:
+    """ModelConfig of the metadata (ValueError where the config refuses a value)."""
     def need(key: str) -> Any:
         v = _field(reader, f"{arch}.{key}")
         if v is None:
@@ -177,82 +226,50 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
 
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    layers = int(need("block_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else 0))
-    scaling = None
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling_type not in (None, "none", "llama3", "linear"):
-        raise CheckpointError(f"{path}: unsupported rope scaling type {scaling_type!r} in "
-                              f"{arch}.rope.scaling.type (supported: none, llama3, linear)")
-    by_name = {t.name: t for t in reader.tensors}
-    freq_factors = None
-    if "rope_freqs.weight" in by_name:
-        # llama.cpp's form of Llama 3.1/3.2 scaling: one divisor per rotary frequency
-        t = by_name["rope_freqs.weight"]
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        freq_factors = tuple(float(f) for f in w.reshape(-1))
-    elif scaling_type == "linear":   # Gemma 3's full layers
-        scaling = RopeScaling(kind="linear",
-                              factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)))
-    elif scaling_type == "llama3":  # rarely stored as metadata; llama.cpp writes rope_freqs instead
-        scaling = RopeScaling(
-            factor=float(_field(reader, f"{arch}.rope.scaling.factor")),
-            low_freq_factor=float(_field(reader, f"{arch}.rope.scaling.low_freq_factor", 1.0)),
-            high_freq_factor=float(_field(reader, f"{arch}.rope.scaling.high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                _field(reader, f"{arch}.rope.scaling.original_context_length", 8192)),
-        )
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
-    eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
+    scaling, freq_factors = _rope(reader, path, arch, by_name)
+    stops = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     ours = GGUF_ARCHITECTURES[arch]
+    fields = dict(rope_scaling=scaling, attention_bias=ours in ("qwen2", "qwen3")
+                  and "blk.0.attn_q.bias" in by_name)
+    fields.update(family_fields(
+        ours, lambda key, default: _field(reader, f"{arch}.{key}", default),
+        dict(hidden=hidden, heads=heads, head_dim=head_dim, layers=layers),
+        lambda name: _values(by_name[name]) if name in by_name else None))
+    moe = _moe_config(reader, arch, by_name)
+    fields.update(attention_bias=moe.pop("attention_bias", fields["attention_bias"]))
+    return ModelConfig(
+        vocab_size=int(_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else 0)),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_freq_factors=freq_factors,
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in by_name,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        # eot, eom: the end of a turn, of a message (Llama 3.1)
+        eos_token_ids=tuple(dict.fromkeys(int(x) for x in stops if x is not None)),
+        dtype=dtype, **moe, **fields)
 
-    def small_tensor(name: str) -> list[float] | None:
-        t = by_name.get(name)
-        if t is None:
-            return None
-        return [float(f) for f in np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
-                                             np.float32).reshape(-1)]
 
-    try:
-        fields = dict(rope_scaling=scaling, attention_bias=ours in ("qwen2", "qwen3")
-                      and "blk.0.attn_q.bias" in by_name)
-        fields.update(family_fields(
-            ours, lambda key, default: _field(reader, f"{arch}.{key}", default),
-            dict(hidden=hidden, heads=heads, head_dim=head_dim,
-                 layers=int(need("block_count"))), small_tensor))
-        moe = _moe_config(reader, arch, by_name)
-        fields.update(attention_bias=moe.pop("attention_bias", fields["attention_bias"]))
-        config = ModelConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=int(need("feed_forward_length")),
-            num_layers=int(need("block_count")),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-            rope_freq_factors=freq_factors,
-            rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
-            tie_word_embeddings="output.weight" not in by_name,
-            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_ids=eos_ids,
-            dtype=dtype,
-            **moe,
-            **fields,
-        )
-    except ValueError as e:
-        raise CheckpointError(f"{path}: {e}") from e
+def _layer_tensors(reader: Any, path: Path, config: ModelConfig
+                   ) -> tuple[dict[str, Any], dict[str, tuple[Any, int]]]:
+    """The file's tensors by HF name, and its stacked experts' (tensor, expert) by the HF
+    per-expert name; any tensor the config does not use is logged once."""
     moe_names = {}
     if config.is_moe:
         from xlaserve.checkpoints.layout import layer_tensors
 
         moe_names = {kind: layer_tensors(config)[ours] for kind, ours in _GGUF_MOE.items()
                      if ours in layer_tensors(config)}
-
+    names = layer_names(config.architecture)
     tensors: dict[str, Any] = {}
     experts: dict[str, tuple[Any, int]] = {}
     unmapped = []
@@ -266,8 +283,8 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
                     experts[f"model.layers.{i}.{moe_names[kind].format(j=j)}"] = (t, j)
             elif kind in moe_names:
                 tensors[f"model.layers.{i}.{moe_names[kind]}"] = t
-            elif kind in layer_names(config.architecture):
-                tensors[f"model.layers.{i}.{layer_names(config.architecture)[kind]}.{suffix}"] = t
+            elif kind in names:
+                tensors[f"model.layers.{i}.{names[kind]}.{suffix}"] = t
             else:
                 unmapped.append(t.name)
         elif t.name not in _READ_INTO_CONFIG:
@@ -275,9 +292,7 @@ def read_gguf(path: str | Path, dtype: str = "float32") -> GGUFModel:
     if unmapped:
         log.warning("%s: ignoring %d tensor(s) this converter does not use: %s", path,
                     len(unmapped), ", ".join(unmapped[:8]) + (" ..." if len(unmapped) > 8 else ""))
-    return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors,
-                     experts=experts, permuted_qk=arch in PERMUTED_QK,
-                     residual_multiplier=float(_field(reader, f"{arch}.residual_scale", 1.0)))
+    return tensors, experts
 
 
 def _moe_config(reader: Any, arch: str, by_name: dict[str, Any]) -> dict[str, Any]:

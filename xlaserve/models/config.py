@@ -281,10 +281,3 @@ class ModelConfig:
     @classmethod
     def load(cls, path: str | Path) -> "ModelConfig":
         return cls.from_dict(json.loads(Path(path).read_text()))
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any], dtype: str = "float32") -> "ModelConfig":
-        """From a Hugging Face `config.json` (models/families.py reads each family)."""
-        from xlaserve.models.families import config_from_hf
-
-        return config_from_hf(cls, hf, dtype)

@@ -20,19 +20,20 @@ runs them; checkpoints/family_tensors.py adapts each family's tensors to the Lla
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from xlaserve.models.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, RopeScaling
-
-if TYPE_CHECKING:
-    from xlaserve.models.config import ModelConfig
+from xlaserve.models.config import (
+    MOE_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeScaling,
+)
 
 # HF model_type -> our architecture name, where they differ.
 _ALIASES = {"gemma3_text": "gemma3"}
 
 
-def config_from_hf(cls: type["ModelConfig"], hf: dict[str, Any],
-                   dtype: str = "float32") -> "ModelConfig":
+def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
     """ModelConfig of a HF `config.json` (a `gemma3` checkpoint: its text tower)."""
     if hf.get("model_type") == "gemma3" and isinstance(hf.get("text_config"), dict):
         hf = {**hf["text_config"], "model_type": "gemma3_text",
@@ -70,7 +71,7 @@ def config_from_hf(cls: type["ModelConfig"], hf: dict[str, Any],
     if window is not None and window >= max_pos and fields.get("layer_kinds") is None:
         # a window no shorter than the context never hides a position: plain causal attention
         fields["sliding_window"] = None
-    return cls(**fields)
+    return ModelConfig(**fields)
 
 
 # -- the families' differences ---------------------------------------------------------------
