@@ -1,8 +1,9 @@
 """The dense families on the 8-device mesh (tests/family_models.py): converted from tiny
-random transformers checkpoints, restored straight into tp2, pp2 and tp2 x pp2, logits equal
-to transformers' within 1e-4 relative; Gemma 3's sliding / full layer pattern differs between
-its two pipeline stages, so each stage must pick its layers' kinds by their index in the
-model, which the ragged-steps test checks against the one-device forward."""
+random transformers checkpoints (two of them also from GGUF files), restored straight into
+tp2, pp2 and tp2 x pp2, logits equal to transformers' within 1e-4 relative; Gemma 3's
+sliding / full layer pattern differs between its two pipeline stages, so each stage must pick
+its layers' kinds by their index in the model, which the ragged-steps test checks against
+the one-device forward."""
 
 from __future__ import annotations
 
@@ -54,6 +55,32 @@ def test_family_layout_matches_transformers(family_models, family: str,
     err = max_rel_error(logits, want)
     print(f"{family} {layout_name}: max relative logit error vs transformers {err:.2e}")
     assert err < 1e-4
+
+
+@pytest.mark.parametrize("family", ["gemma3-d64", "granite"])
+def test_family_gguf_at_tp2xpp2_matches_transformers(tmp_path, family: str) -> None:
+    """The same from a GGUF in llama.cpp's layout (Gemma's 1 + w norms, Granite's permuted
+    q/k rows), converted and restored into tp2 x pp2."""
+    from tests.checkpoints.test_family_gguf import write_family_gguf
+    from tests.family_models import FAMILY_VARIANTS, hf_family_model
+    from xlaserve.checkpoints.convert import convert_gguf
+
+    variant = dict(FAMILY_VARIANTS[family])
+    if family.startswith("gemma"):
+        variant["query_pre_attn_scalar"] = variant["head_dim"]   # GGUF's rule
+    hf = hf_family_model(variant)
+    write_family_gguf(hf, tmp_path / "model.gguf")
+    convert_gguf(tmp_path / "model.gguf", tmp_path / "ours", quiet=True)
+    with torch.no_grad():
+        want = hf(torch.tensor([IDS])).logits[0].numpy()
+    config = load_config(tmp_path / "ours")
+    mesh = make_mesh(LAYOUTS["tp2xpp2"])
+    layout = ShardLayout.create(config, mesh)
+    params = load_params(tmp_path / "ours", config, mesh)
+    step = make_step([IDS], [0], width=7, block_size=16, all_logits=True)
+    logits, _ = run(make_sharded_forward(config, mesh), params, config, step,
+                    layout.init_kv_cache(mesh, 8, 16))
+    assert max_rel_error(logits, want) < 1e-4
 
 
 @pytest.mark.parametrize("layout_name", ["pp2", "tp2xpp2"])
