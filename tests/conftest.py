@@ -3,6 +3,7 @@ persistent compilation cache (with a low threshold so that small test functions 
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -60,3 +61,13 @@ def hf_smollm2(gguf_file: Path):
     model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def collect_cycles_after_module():
+    """An engine can sit in a reference cycle (a draft-speculating engine's proposer keeps a
+    bound method of it), so a module's engines, their compiled executables and KV caches would
+    wait for the cyclic collector, which counts Python allocations, not the native memory
+    behind them: collect them when the module ends."""
+    yield
+    gc.collect()
