@@ -64,10 +64,16 @@ def hf_smollm2(gguf_file: Path):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def collect_cycles_after_module():
-    """An engine can sit in a reference cycle (a draft-speculating engine's proposer keeps a
-    bound method of it), so a module's engines, their compiled executables and KV caches would
-    wait for the cyclic collector, which counts Python allocations, not the native memory
-    behind them: collect them when the module ends."""
+def release_executables_after_module():
+    """Each live XLA:CPU executable maps about four regions of JIT code and data, and one
+    process may hold at most vm.max_map_count (65530) maps: a single pytest process that kept
+    every module's executables reached ~48k maps a third of the way in and then crashed in
+    executable.serialize when an mmap failed.  When a module ends, collect its engines (one
+    sits in a reference cycle: a draft-speculating engine's proposer keeps a bound method of
+    it), then drop the executables that module-level jitted functions cache per shape.  The
+    persistent compilation cache keeps them on disk, so a later module reloads, not recompiles."""
     yield
     gc.collect()
+    if jax is not None:
+        jax.clear_caches()
+        gc.collect()
