@@ -67,8 +67,8 @@ def hf_smollm2(gguf_file: Path):
 def release_executables_after_module():
     """Each live XLA:CPU executable maps about four regions of JIT code and data, and one
     process may hold at most vm.max_map_count (65530) maps: a single pytest process that kept
-    every module's executables reached ~48k maps a third of the way in and then crashed in
-    executable.serialize when an mmap failed.  When a module ends, collect its engines (one
+    every module's executables reached ~48k maps a third of the way in (measured), where CI's
+    run of it segfaulted in the compilation cache's executable.serialize.  When a module ends, collect its engines (one
     sits in a reference cycle: a draft-speculating engine's proposer keeps a bound method of
     it), then drop the executables that module-level jitted functions cache per shape.  The
     persistent compilation cache keeps them on disk, so a later module reloads, not recompiles."""
