@@ -22,6 +22,7 @@ import jax
 from xlaserve.bench.report import markdown_table, write_json
 from xlaserve.bench.roofline import param_bytes
 from xlaserve.checkpoints.store import load_config, load_params, save_params
+from xlaserve.compile_cache import persistent_cache_off
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import init_params
 from xlaserve.serving.runner.buckets import BucketPlan
@@ -79,17 +80,13 @@ def run_startup(model_dir: str | Path, variant_layers: int = 2, chunk: int = 128
         raise ValueError(f"--chunk {chunk} does not fit a table of {width} blocks of 16")
     model_dir = Path(model_dir)
     config = load_config(model_dir)
-    previous = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
+    with persistent_cache_off():
         rows = [measure(f"{model_dir.name}", model_dir, config, chunk, width)]
         variant = config.first_layers(variant_layers)
         with tempfile.TemporaryDirectory(prefix="xlaserve-startup-") as tmp:
             save_params(Path(tmp), init_params(variant))
             rows.append(measure(f"{variant_layers}-layer variant (random)", Path(tmp),
                                 variant, chunk, width))
-    finally:
-        jax.config.update("jax_enable_compilation_cache", previous)
     return rows
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from xlaserve.compile_cache import persistent_cache_off
 from xlaserve.serving.runner.compile_counter import CompileCounter
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -38,15 +39,16 @@ print(json.dumps([first.compiles, first.cache_loads, again.compiles, again.cache
 
 def test_a_fresh_shape_is_counted_and_a_seen_one_is_not() -> None:
     f = jax.jit(lambda x: x * 2.0 + 0.5)
-    # The inputs are made outside the counters: jnp.ones runs jitted code of its own, which
-    # the per-module cache release (tests/conftest.py) may have left to reload from disk.
+    # The inputs are made outside the counters (jnp.ones runs jitted code of its own), and the
+    # persistent cache is off: an earlier run's executable on disk would make it a cache load.
     ones, zeros = jnp.ones((3, 41), jnp.float32), jnp.zeros((3, 41), jnp.float32)
-    with CompileCounter() as fresh:
-        f(ones).block_until_ready()
-    with CompileCounter() as seen:
-        f(zeros).block_until_ready()
-    assert fresh.compiles >= 1 and fresh.count == fresh.compiles
-    assert seen.count == 0
+    with persistent_cache_off():
+        with CompileCounter() as fresh:
+            f(ones).block_until_ready()
+        with CompileCounter() as seen:
+            f(zeros).block_until_ready()
+    assert fresh.compiles >= 1 and fresh.count == fresh.compiles, vars(fresh)
+    assert seen.count == 0, vars(seen)
 
 
 def test_a_persistent_cache_load_is_counted(tmp_path) -> None:
