@@ -18,15 +18,16 @@ import jax
 import jax.numpy as jnp
 
 from xlaserve.serving.runner.distribution import filtered_probs
-from xlaserve.serving.runner.host_step import HostStep
+from xlaserve.serving.runner.host_step import ROW_FIELDS, HostStep, unpack
 from xlaserve.serving.runner.runner import ModelRunner
 from xlaserve.serving.runner.step_functions import sampling_arrays
 
 
 def draft_probs_step(logits: jax.Array, rows: jax.Array) -> jax.Array:
-    # logits: [R, V]; rows: [ROW_FIELDS, R] (HostStep.packed) -> [R, V] (no bias: drafts take
-    # no penalties)
-    return filtered_probs(logits, sampling_arrays(rows, jnp.zeros_like(logits)))
+    # logits: [R, V]; rows: [len(ROW_FIELDS), R] (HostStep.packed) -> [R, V] (no bias: drafts
+    # take no penalties)
+    return filtered_probs(logits, sampling_arrays(unpack(rows, ROW_FIELDS),
+                                                  jnp.zeros_like(logits)))
 
 
 class DraftRunner(ModelRunner):

@@ -14,18 +14,54 @@ if TYPE_CHECKING:
     from xlaserve.serving.runner.row_input import RowInput
 
 
+class Field(NamedTuple):
+    """One per-token or per-row input of a call: its HostStep field, its dtype on the host,
+    and the value padding entries hold.  In the packed buffers every field is one int32 row
+    (float32 and uint32 bit for bit, bool as 0 / 1)."""
+
+    name: str
+    dtype: np.dtype
+    pad: float = 0
+
+
+I32, F32, U32, BOOL = (np.dtype(t) for t in (np.int32, np.float32, np.uint32, np.bool_))
+
+# [T] each, in the order of the packed token buffer [len(TOKEN_FIELDS), T]
+TOKEN_FIELDS = (
+    Field("tokens", I32),           # PENDING_TOKEN = take from its row's token cell
+    Field("positions", I32),
+    Field("token_rows", I32, -1),   # -1 = padding
+    Field("slot_mapping", I32),     # padding writes slot 0, the null block
+)
+# [R] each, in the order of the packed row buffer [len(ROW_FIELDS), R]
+ROW_FIELDS = (
+    Field("logits_index", I32),     # the token whose logits sample row r samples from
+    Field("row_cell", I32),         # the token cell this row's sampled token goes to
+    Field("sample_mask", BOOL),     # the row samples (its token cell is written)
+    Field("temperature", F32),      # 0 = greedy
+    Field("top_k", I32),            # 0 = off
+    Field("top_p", F32, 1.0),       # 1 = off
+    Field("min_p", F32),            # 0 = off
+    Field("seed", U32),
+    Field("counter", I32),          # index of the token sampled (RNG stream position)
+    Field("logprobs", BOOL),        # the row wants logprobs
+    Field("draft_token", I32, -1),  # the draft it verifies against draft_probs, else -1
+)
+
+
 class HostStep(NamedTuple):
-    """One call's padded host inputs: T tokens of R rows, flat, block tables W wide.  Plain
-    numpy, so process 0 can hand it to the other processes of a multi-host mesh as it is.
-    R counts sample rows: one per plan row (at its index, its table in block_tables[i]),
+    """One call's padded host inputs: T tokens of R rows, flat, block tables W wide: the
+    TOKEN_FIELDS, the tables, the ROW_FIELDS (comments there), then the two [R, V] arrays.
+    Plain numpy, so process 0 can hand it to the other processes of a multi-host mesh as it
+    is.  R counts sample rows: one per plan row (at its index, its table in block_tables[i]),
     then one per draft token of its verify rows (`sample_rows`), their tables unused."""
 
-    tokens: np.ndarray        # [T] int32, PENDING_TOKEN = take from its row's token cell
+    tokens: np.ndarray        # [T] int32
     positions: np.ndarray     # [T] int32
-    token_rows: np.ndarray    # [T] int32, -1 = padding
-    slot_mapping: np.ndarray  # [T] int32, padding writes the null block
+    token_rows: np.ndarray    # [T] int32
+    slot_mapping: np.ndarray  # [T] int32
     block_tables: np.ndarray  # [R, W] int32
-    logits_index: np.ndarray  # [R] int32: the token whose logits sample row r samples from
+    logits_index: np.ndarray  # [R] int32
     row_cell: np.ndarray      # [R] int32
     sample_mask: np.ndarray   # [R] bool
     temperature: np.ndarray   # [R] float32
@@ -34,9 +70,8 @@ class HostStep(NamedTuple):
     min_p: np.ndarray         # [R] float32
     seed: np.ndarray          # [R] uint32
     counter: np.ndarray       # [R] int32
-    logprobs: np.ndarray      # [R] bool: the row wants logprobs
-    draft_token: np.ndarray   # [R] int32: the draft this sample row verifies against
-                              #   draft_probs (a draft model's sampled draft), else -1
+    logprobs: np.ndarray      # [R] bool
+    draft_token: np.ndarray   # [R] int32
     bias: np.ndarray | None   # [R, V] float32, None = zeros (kept on device per bucket)
     # [R, V] float32: the distribution q each draft_token was drawn from (a draft model's,
     # for rows with temperature > 0); None = no such row.  One process only (not broadcast).
@@ -45,12 +80,18 @@ class HostStep(NamedTuple):
     @staticmethod
     def specs(r: int, t: int, w: int, vocab: int | None) -> list[tuple[tuple[int, ...], Any]]:
         """(shape, dtype) of every field in order; `vocab` None = no bias array."""
-        i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
-        out = [((t,), i32), ((t,), i32), ((t,), i32), ((t,), i32), ((r, w), i32),
-               ((r,), i32), ((r,), i32), ((r,), np.dtype(np.bool_)),
-               ((r,), f32), ((r,), i32), ((r,), f32), ((r,), f32), ((r,), np.dtype(np.uint32)),
-               ((r,), i32), ((r,), np.dtype(np.bool_)), ((r,), i32)]
-        return out + ([((r, vocab), f32)] if vocab is not None else [])
+        return ([((t,), f.dtype) for f in TOKEN_FIELDS] + [((r, w), I32)]
+                + [((r,), f.dtype) for f in ROW_FIELDS]
+                + ([((r, vocab), F32)] if vocab is not None else []))
+
+    @classmethod
+    def padding(cls, r: int, t: int, w: int) -> HostStep:
+        """A call of bucket (r, t, w) that is padding throughout (no bias, no draft_probs)."""
+        def full(shape: tuple[int, ...], f: Field) -> np.ndarray:
+            return np.full(shape, f.pad, f.dtype)
+
+        return cls(*(full((t,), f) for f in TOKEN_FIELDS), np.zeros((r, w), I32),
+                   *(full((r,), f) for f in ROW_FIELDS), None)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -67,16 +108,41 @@ class HostStep(NamedTuple):
 
     def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The inputs as three int32 buffers, which go to the device in one transfer each (15
-        small transfers cost ~8x as much host time): per row [ROW_FIELDS, R] (float32 and
-        uint32 fields bit for bit), per token [TOKEN_FIELDS, T], and the block tables
-        [R, W].  The bias, rarely there, travels on its own."""
-        rows = np.stack([self.logits_index, self.row_cell, self.sample_mask.astype(np.int32),
-                         self.temperature.view(np.int32), self.top_k,
-                         self.top_p.view(np.int32), self.min_p.view(np.int32),
-                         self.seed.view(np.int32), self.counter,
-                         self.logprobs.astype(np.int32), self.draft_token])
-        tokens = np.stack([self.tokens, self.positions, self.token_rows, self.slot_mapping])
-        return rows, tokens, self.block_tables
+        small transfers cost ~8x as much host time): per row [len(ROW_FIELDS), R], per token
+        [len(TOKEN_FIELDS), T], and the block tables [R, W].  `unpack` reads them back on
+        device.  The bias, rarely there, travels on its own."""
+        def stack(fields: tuple[Field, ...]) -> np.ndarray:
+            return np.stack([_as_int32(getattr(self, f.name)) for f in fields])
+
+        return stack(ROW_FIELDS), stack(TOKEN_FIELDS), self.block_tables
+
+
+assert HostStep._fields == (*(f.name for f in TOKEN_FIELDS), "block_tables",
+                            *(f.name for f in ROW_FIELDS), "bias", "draft_probs")
+
+
+def _as_int32(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.int32) if a.dtype == BOOL else a.view(np.int32)
+
+
+def unpack(packed: Any, fields: tuple[Field, ...]) -> dict[str, Any]:
+    """A packed buffer [len(fields), N] int32 on device as its fields by name, each [N] in
+    its own dtype (the inverse of HostStep.packed's rows, traced inside the step)."""
+    import jax
+    import jax.numpy as jnp
+
+    if packed.shape[0] != len(fields):
+        raise ValueError(f"a packed buffer of {packed.shape[0]} rows cannot hold the "
+                         f"{len(fields)} fields {[f.name for f in fields]}")
+    out = {}
+    for f, x in zip(fields, packed):
+        if f.dtype == BOOL:
+            out[f.name] = x != 0
+        elif f.dtype == I32:
+            out[f.name] = x
+        else:
+            out[f.name] = jax.lax.bitcast_convert_type(x, jnp.dtype(f.dtype))
+    return out
 
 
 def sample_rows(num_drafts: Sequence[int]) -> tuple[tuple[int, ...], ...]:
@@ -94,12 +160,6 @@ def sample_rows(num_drafts: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-# the rows of HostStep.packed()'s buffers
-ROW_FIELDS = ("logits_index", "row_cell", "sample_mask", "temperature", "top_k", "top_p",
-              "min_p", "seed", "counter", "logprobs", "draft_token")
-TOKEN_FIELDS = ("tokens", "positions", "token_rows", "slot_mapping")
-
-
 def lay_out(rows: Sequence[RowInput], bucket: tuple[int, int, int], block_size: int,
             vocab: int) -> HostStep:
     """`rows` as one flat batch padded to `bucket` (rows R, tokens T, width W): row i's tokens
@@ -107,12 +167,7 @@ def lay_out(rows: Sequence[RowInput], bucket: tuple[int, int, int], block_size: 
     `sample_rows` orders them.  (A loop over rows: ~0.1 ms for 32 decode rows, which measured
     faster than a vectorised form at serving row counts.)"""
     r, t, w = bucket
-    # every field but bias and draft_probs: zeros (padding writes slot 0, the null block),
-    # then the three whose padding is not 0
-    h = HostStep.from_arrays([np.zeros(shape, dt) for shape, dt in HostStep.specs(r, t, w, None)])
-    h.token_rows[:] = -1
-    h.top_p[:] = 1.0
-    h.draft_token[:] = -1
+    h = HostStep.padding(r, t, w)
     bias: np.ndarray | None = None
     draft_probs: np.ndarray | None = None
     at = 0
