@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from xlaserve.bench.metrics import Clock, KVWasteMeter, RequestOutcome, SystemResult
 from xlaserve.bench.workload import BenchRequest, Workload
 from xlaserve.serving.runner.compile_counter import CompileCounter
-from xlaserve.serving.runner.runner import CallResult, ModelRunner, RowInput
+from xlaserve.serving.runner.calls import CallResult
+from xlaserve.serving.runner.runner import ModelRunner, RowInput
 from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
 
 

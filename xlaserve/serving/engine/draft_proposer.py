@@ -27,7 +27,7 @@ import numpy as np
 
 from xlaserve.serving.runner.draft_runner import DraftRunner
 from xlaserve.serving.runner.row_input import RowInput, RowSampling
-from xlaserve.serving.runner.runner import CallResult
+from xlaserve.serving.runner.calls import CallResult
 from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
 from xlaserve.serving.speculative import DraftQuery
 

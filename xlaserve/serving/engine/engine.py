@@ -46,7 +46,8 @@ from xlaserve.serving.engine.output_state import OutputState
 from xlaserve.serving.engine.service_costs import CostMeter
 from xlaserve.serving.engine.step_clock import HostTime, StepClock
 from xlaserve.serving.runner.draft_runner import DraftRunner
-from xlaserve.serving.runner.runner import CallResult, ModelRunner, RowInput, RowSampling
+from xlaserve.serving.runner.calls import CallResult
+from xlaserve.serving.runner.runner import ModelRunner, RowInput, RowSampling
 from xlaserve.serving.runner.token_mask import all_allowed
 from xlaserve.serving.scheduler import RequestState, Scheduler
 from xlaserve.serving.scheduler.step_plan import ScheduledSeq, StepPlan
@@ -246,15 +247,14 @@ class LLMEngine:
         constrained = any(r.sample and r.request_id in self._outputs
                           and self._outputs[r.request_id].grammar is not None
                           for r in plan.rows)
-        rows = [self._row(r) for r in plan.rows]
-        launched.call = self.runner.run(rows, lambda: self._masks(plan)) if constrained \
-            else self.runner.run(rows)
+        forwarded = self.runner.forward([self._row(r) for r in plan.rows])
+        launched.call = self.runner.sample(forwarded, self._masks(plan) if constrained else None)
 
     def _masks(self, plan: StepPlan) -> np.ndarray:   # [rows, ceil(V/32)] int32
-        """The allowed-token masks of `plan`'s rows, called by the runner once the plan's
-        forward is launched: first every earlier step in flight is processed (its tokens
-        advance the grammars), then each sampling constrained row gets its grammar's mask;
-        the other rows (and requests that ended meanwhile) allow everything."""
+        """The allowed-token masks of `plan`'s rows, made once the plan's forward is launched:
+        first every earlier step in flight is processed (its tokens advance the grammars), then
+        each sampling constrained row gets its grammar's mask; the other rows (and requests
+        that ended meanwhile) allow everything."""
         t0 = time.perf_counter()
         while self.scheduler.in_flight[0].step_id != plan.step_id:
             self._process_oldest()

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from xlaserve.serving.runner.distribution import filtered_probs
-from xlaserve.serving.runner.host_step import ROW_FIELDS, HostStep, unpack
+from xlaserve.serving.runner.host_step import ROW_FIELDS, HostStep
 from xlaserve.serving.runner.runner import ModelRunner
-from xlaserve.serving.runner.step_functions import sampling_arrays
+from xlaserve.serving.runner.step_functions import sampling_arrays, unpack
 
 
 def draft_probs_step(logits: jax.Array, rows: jax.Array) -> jax.Array:

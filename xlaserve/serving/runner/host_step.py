@@ -109,8 +109,8 @@ class HostStep(NamedTuple):
     def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The inputs as three int32 buffers, which go to the device in one transfer each (15
         small transfers cost ~8x as much host time): per row [len(ROW_FIELDS), R], per token
-        [len(TOKEN_FIELDS), T], and the block tables [R, W].  `unpack` reads them back on
-        device.  The bias, rarely there, travels on its own."""
+        [len(TOKEN_FIELDS), T], and the block tables [R, W].  step_functions.unpack reads
+        them back on device.  The bias, rarely there, travels on its own."""
         def stack(fields: tuple[Field, ...]) -> np.ndarray:
             return np.stack([_as_int32(getattr(self, f.name)) for f in fields])
 
@@ -123,26 +123,6 @@ assert HostStep._fields == (*(f.name for f in TOKEN_FIELDS), "block_tables",
 
 def _as_int32(a: np.ndarray) -> np.ndarray:
     return a.astype(np.int32) if a.dtype == BOOL else a.view(np.int32)
-
-
-def unpack(packed: Any, fields: tuple[Field, ...]) -> dict[str, Any]:
-    """A packed buffer [len(fields), N] int32 on device as its fields by name, each [N] in
-    its own dtype (the inverse of HostStep.packed's rows, traced inside the step)."""
-    import jax
-    import jax.numpy as jnp
-
-    if packed.shape[0] != len(fields):
-        raise ValueError(f"a packed buffer of {packed.shape[0]} rows cannot hold the "
-                         f"{len(fields)} fields {[f.name for f in fields]}")
-    out = {}
-    for f, x in zip(fields, packed):
-        if f.dtype == BOOL:
-            out[f.name] = x != 0
-        elif f.dtype == I32:
-            out[f.name] = x
-        else:
-            out[f.name] = jax.lax.bitcast_convert_type(x, jnp.dtype(f.dtype))
-    return out
 
 
 def sample_rows(num_drafts: Sequence[int]) -> tuple[tuple[int, ...], ...]:

@@ -1,9 +1,8 @@
 """One sequence's share of a runner call (`RowInput`: its plan row, token cell and how it
-samples), and `MaskSource`, how a step's allowed-token masks reach the runner."""
+samples)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,8 +23,6 @@ class RowSampling:
 
 
 GREEDY = RowSampling()
-# makes a step's allowed-token masks [rows, ceil(V/32)] int32, or None (see ModelRunner.run)
-MaskSource = Callable[[], np.ndarray | None]
 
 
 @dataclass(frozen=True)

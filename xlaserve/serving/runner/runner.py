@@ -40,7 +40,6 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -55,6 +54,7 @@ from xlaserve.models.kv_slots import slot_mapping
 from xlaserve.models.llama import KVCache, Params, pack_params
 from xlaserve.serving.runner.buckets import BucketPlan
 from xlaserve.serving.runner.call_profile import CallProfile
+from xlaserve.serving.runner.calls import CallResult, Forwarded
 from xlaserve.serving.runner.host_step import (
     ROW_FIELDS,
     TOKEN_FIELDS,
@@ -62,7 +62,7 @@ from xlaserve.serving.runner.host_step import (
     lay_out,
     sample_rows,
 )
-from xlaserve.serving.runner.row_input import GREEDY, MaskSource, RowInput, RowSampling
+from xlaserve.serving.runner.row_input import GREEDY, RowInput, RowSampling
 from xlaserve.serving.runner.sampling import SampleOutput
 from xlaserve.serving.runner.step_channel import Op, StepChannel
 from xlaserve.serving.runner.step_functions import forward_step, sample_step
@@ -85,28 +85,6 @@ def log_backend(requested: str, chosen: str, platform: str, dtype: str) -> None:
         return
     log.info("attention backend: %s on %s, dtype %s (requested %s)", chosen, platform, dtype,
              requested)
-
-
-@dataclass(frozen=True)
-class CallResult:
-    """Device outputs of one call; `rows` of them are real, the rest padding.  Plan row i's
-    samples are at `sample_rows[i]`, in position order: (i,) for a plain row, the draft
-    positions' extra rows then i for a verify row."""
-
-    rows: int
-    out: SampleOutput
-    bucket: tuple[int, int, int]   # (rows, tokens, width) of the compiled call
-    sample_rows: tuple[tuple[int, ...], ...] = ()
-
-    def ready(self) -> bool:
-        """Has the device finished the call (fetch would not block)?  A deleted result (lost
-        on device) counts as ready: fetch raises at once (and is_ready() on it would crash)."""
-        tokens = self.out.tokens
-        return tokens.is_deleted() or tokens.is_ready()
-
-    def fetch(self) -> dict[str, np.ndarray]:
-        host = jax.device_get(self.out)   # replicated: every process can read it
-        return {name: np.asarray(v)[: self.rows] for name, v in host._asdict().items()}
 
 
 class ModelRunner:
@@ -241,29 +219,43 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------------------------
 
-    def run(self, rows: Sequence[RowInput], masks: MaskSource | None = None) -> CallResult:
-        """One call over `rows` (decodes and prefill chunks alike), in their order.  `masks`,
-        for a step with constrained rows, is called once the forward is launched (so the host
-        makes them while the device runs it) and returns the rows' allowed-token masks
-        [len(rows), ceil(V/32)] int32 (token_mask.py), or None for none."""
+    def forward(self, rows: Sequence[RowInput]) -> Forwarded:
+        """Launch the forward over `rows` (decodes and prefill chunks alike, in their order);
+        `sample` launches its sampler.  In between the host may make the allowed-token masks of
+        constrained rows while the device runs the forward.  On a multi-host mesh the step is
+        laid out only: it goes to every process whole, masks included, in `sample`."""
         host = self.host_step(rows)
         order = sample_rows([row.seq.num_draft for row in rows])
-        n = sum(len(o) for o in order)
-        if self.channel is not None:
-            self._require_leader("run")
-            mask = masks() if masks is not None else None   # folded into the bias: the
-            if mask is not None:                            # channel carries that already
-                host = host._replace(bias=mask_as_bias(self._pad_mask(mask, host.shape[0]),
-                                                       host.bias, self.config.vocab_size))
-            masks = None
-            self.channel.send(Op.STEP, host)
         start = time.perf_counter()
-        out = self._execute(host, masks)
+        if self.channel is not None:
+            self._require_leader("forward")
+            return Forwarded(host, order, start)
+        return Forwarded(host, order, start, *self._launch_forward(host))
+
+    def sample(self, call: Forwarded, masks: np.ndarray | None = None) -> CallResult:
+        """Launch the sampler of `call`: its tokens go to the rows' token cells for the next
+        step.  `masks`: the rows' allowed-token masks [len(rows), ceil(V/32)] int32
+        (token_mask.py), None = every token allowed."""
+        host = call.host
+        if self.channel is not None:   # the masks fold into the bias, which the channel carries
+            if masks is not None:
+                host = host._replace(bias=mask_as_bias(self._pad_mask(masks, host.shape[0]),
+                                                       host.bias, self.config.vocab_size))
+                masks = None
+            self.channel.send(Op.STEP, host)
+            call = Forwarded(host, call.sample_rows, call.started, *self._launch_forward(host))
+        assert call.rows is not None and call.logits is not None
+        out = self._launch_sample(host, call.rows, call.logits, masks)
         if self.profile is not None:
             jax.block_until_ready(out.tokens)      # serialises the pipeline: diagnostics only
-            self.profile.record(host.shape, time.perf_counter() - start,
+            self.profile.record(host.shape, time.perf_counter() - call.started,
                                 int((host.token_rows >= 0).sum()))
-        return CallResult(n, out, host.shape, order)
+        return CallResult(sum(len(o) for o in call.sample_rows), out, host.shape,
+                          call.sample_rows)
+
+    def run(self, rows: Sequence[RowInput], masks: np.ndarray | None = None) -> CallResult:
+        """One call over `rows`, forward and sampler (`forward`, then `sample`)."""
+        return self.sample(self.forward(rows), masks)
 
     def follow(self) -> int:
         """On a process other than 0 of a multi-host mesh: launch every call process 0 sends,
@@ -281,7 +273,7 @@ class ModelRunner:
                 self._fresh_state()
                 continue
             assert host is not None
-            self._execute(host)
+            self._launch_sample(host, *self._launch_forward(host))
             calls += 1
 
     def close(self) -> None:
@@ -322,16 +314,20 @@ class ModelRunner:
                                f"warm-up; compiled: {len(self._compiled)} buckets")
         return lay_out(rows, shape, self.block_size, self.config.vocab_size)
 
-    def _execute(self, host: HostStep, masks: MaskSource | None = None) -> SampleOutput:
-        """Launch the compiled call for `host` (asynchronously); the runner's state advances.
-        The sampler is launched after `masks()` (if any) returned."""
-        fn = self._compiled[host.shape]
-        r = host.shape[0]
+    def _launch_forward(self, host: HostStep) -> tuple[Any, jax.Array]:
+        """Launch the compiled forward of `host` (asynchronously); the KV cache advances.
+        Returns the packed rows as the call took them and the logits [R, V]."""
         rows, toks, tables = self._step_inputs(*host.packed())
-        bias = self._step_inputs(host.bias)[0] if host.bias is not None else self._zeros_bias(r)
-        self.kv, logits = fn(self.params, self.kv, self.token_cells, rows, toks, tables)
+        self.kv, logits = self._compiled[host.shape](self.params, self.kv, self.token_cells,
+                                                     rows, toks, tables)
         self._forwarded(host, rows, logits)
-        mask = masks() if masks is not None else None
+        return rows, logits
+
+    def _launch_sample(self, host: HostStep, rows: Any, logits: jax.Array,
+                       mask: np.ndarray | None = None) -> SampleOutput:
+        """Launch the compiled sampler of `host` over `logits`; the token cells advance."""
+        r = host.shape[0]
+        bias = self._step_inputs(host.bias)[0] if host.bias is not None else self._zeros_bias(r)
         allowed = self._step_inputs(self._pad_mask(mask, r))[0] if mask is not None else \
             self._all_allowed(r)
         q = self._step_inputs(host.draft_probs)[0] if host.draft_probs is not None else \

@@ -1,6 +1,6 @@
 """Process 0 -> every process of a multi-host mesh: what the runner launches next.
 
-    process 0: engine schedules, runner.run(rows) ── send(STEP, host_step) ──> process k: follow()
+    process 0: engine schedules, runner.sample(...) ── send(STEP, host_step) ──> process k: follow()
                runner.reset_state()               ── send(RESET) ──────────>   fresh KV, slots
                runner.close()                     ── send(STOP) ───────────>   follow() returns
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 
 from xlaserve.models.config import ModelConfig
 from xlaserve.models.llama import AttentionMetadata, KVCache, Params
 from xlaserve.serving.runner.draft_verify import verify_drafts
-from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS, unpack
+from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS, Field
 from xlaserve.serving.runner.sampling import SampleOutput, SamplingArrays, sample
 from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
 from xlaserve.sharding.parallel_forward import Forward
@@ -60,3 +61,20 @@ def sampling_arrays(row: dict[str, jax.Array], bias: jax.Array) -> SamplingArray
     """The sampling fields of a step's rows (`unpack(rows, ROW_FIELDS)`), with their bias."""
     return SamplingArrays(row["temperature"], row["top_k"], row["top_p"], row["min_p"],
                           row["seed"], row["counter"], bias, row["logprobs"])
+
+
+def unpack(packed: jax.Array, fields: tuple[Field, ...]) -> dict[str, jax.Array]:
+    """A packed buffer [len(fields), N] int32 on device as its fields by name, each [N] in
+    its own dtype (the inverse of HostStep.packed's rows, traced inside the step)."""
+    if packed.shape[0] != len(fields):
+        raise ValueError(f"a packed buffer of {packed.shape[0]} rows cannot hold the "
+                         f"{len(fields)} fields {[f.name for f in fields]}")
+    out = {}
+    for f, x in zip(fields, packed):
+        if f.dtype == np.bool_:
+            out[f.name] = x != 0
+        elif f.dtype == np.int32:
+            out[f.name] = x
+        else:
+            out[f.name] = jax.lax.bitcast_convert_type(x, jnp.dtype(f.dtype))
+    return out
