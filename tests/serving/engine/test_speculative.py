@@ -130,16 +130,16 @@ def test_failed_verify_step_errors_its_request_and_serves_the_next(
     from tests.serving.engine.test_step_failure import run_with_recovery
 
     engine = new_engine(warm_engine, smollm2, speculative=SPEC)
-    real, lost = engine.runner.run, []
+    real, lost = engine.runner.sample, []
 
-    def run(rows):
-        result = real(rows)
-        if not lost and any(r.seq.num_draft for r in rows):
-            lost.append(len(rows))
+    def sample(call, masks=None):
+        result = real(call, masks)
+        if not lost and any(len(rows) > 1 for rows in call.sample_rows):   # a verify row
+            lost.append(len(call.sample_rows))
             result.out.tokens.delete()     # reading it back raises, as a failed step would
         return result
 
-    monkeypatch.setattr(engine.runner, "run", run)
+    monkeypatch.setattr(engine.runner, "sample", sample)
     rng = np.random.default_rng(5)
     engine.add(request("a", lookup_prompt(corpus_ids, rng, 120), max_tokens=24,
                        ignore_eos=True))

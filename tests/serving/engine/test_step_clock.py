@@ -29,7 +29,7 @@ def test_next_launch_time_lies_within_the_step_in_flight(warm_tiny, monkeypatch)
     """The tiny model's steps end before the engine reads them; here every call reports itself
     still running until fetched, as a step of a real model does."""
     engine = new_tiny_engine(warm_tiny, pipelined=True)
-    real = engine.runner.run
+    real = engine.runner.sample
 
     class Busy:   # a CallResult that reports itself running until fetched
         def __init__(self, call):
@@ -41,10 +41,10 @@ def test_next_launch_time_lies_within_the_step_in_flight(warm_tiny, monkeypatch)
         def ready(self) -> bool:
             return False
 
-    def busy_run(rows):
-        return Busy(real(rows))
+    def busy_sample(call, masks=None):
+        return Busy(real(call, masks))
 
-    monkeypatch.setattr(engine.runner, "run", busy_run)
+    monkeypatch.setattr(engine.runner, "sample", busy_sample)
     engine.add(request("a", list(range(1000, 1020)), max_tokens=40, ignore_eos=True))
     for _ in range(8):        # prefill, then decode steps: the decode bucket is timed
         engine.step()

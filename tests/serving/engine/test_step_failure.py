@@ -20,15 +20,15 @@ PROMPT = list(range(1000, 1020))
 def lose_nth_result(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner, n: int) -> None:
     """The n-th runner call (from 1) loses its sampled tokens on device: reading them back
     raises JAX's own error, as a failed device computation would."""
-    real, calls = runner.run, itertools.count(1)
+    real, calls = runner.sample, itertools.count(1)
 
-    def run(rows):
-        result = real(rows)
+    def sample(call, masks=None):
+        result = real(call, masks)
         if next(calls) == n:
             result.out.tokens.delete()
         return result
 
-    monkeypatch.setattr(runner, "run", run)
+    monkeypatch.setattr(runner, "sample", sample)
 
 
 def run_with_recovery(engine: LLMEngine) -> dict[str, list]:
