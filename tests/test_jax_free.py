@@ -13,7 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 HOST_ONLY = ["tests/serving/scheduler", "tests/serving/kv_cache", "tests/serving/admission",
              "tests/serving/router", "tests/serving/speculative",
-             "tests/serving/runner/test_host_step.py", "tests/serving/disagg/test_affinity.py"]
+             "tests/serving/runner/test_host_step.py",
+             "tests/serving/runner/test_token_cells.py", "tests/serving/disagg/test_affinity.py"]
 
 NO_JAX = '''import sys
 

@@ -92,8 +92,7 @@ class LLMEngine:
                              f"block_size={runner.block_size}) is smaller than {engine_config}")
         self.runner = runner
         self._outputs: dict[str, OutputState] = {}
-        self._token_cells: dict[str, int] = {}
-        self._free_token_cells = list(range(s.max_num_seqs, 0, -1))
+        runner.cells.release_all()   # one engine drives a runner at a time: this one now
         # the calls of the scheduler's plans in flight (their order: scheduler.in_flight)
         self._calls: dict[int, _Launched] = {}
         self._rng = random.Random(engine_config.seed)
@@ -162,7 +161,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
         for rid in plan.preempted:  # recomputed from known tokens: its slot is not needed
-            self._release_token_cell(rid)
+            self.runner.cells.release(rid)
         t1 = time.perf_counter()
         self.host_time.schedule += t1 - t0
         if not plan.is_empty:
@@ -221,16 +220,11 @@ class LLMEngine:
                     return True
         return False
 
-    def _token_cell(self, request_id: str) -> int:
-        if request_id not in self._token_cells:
-            self._token_cells[request_id] = self._free_token_cells.pop()
-        return self._token_cells[request_id]
-
     def _row(self, row: ScheduledSeq) -> RowInput:
         sampling = (self._sampling(row.request_id, row.sample_position) if row.sample
                     else RowSampling())
         q = self.draft.probs.pop(row.request_id, None) if self.draft and row.num_draft else None
-        return RowInput(row, self._token_cell(row.request_id), sampling, q)
+        return RowInput(row, self.runner.cells.cell(row.request_id), sampling, q)
 
     def _sampling(self, request_id: str, position: int) -> RowSampling:
         """How the request samples the token at `position` (its index among the output keys
@@ -366,14 +360,9 @@ class LLMEngine:
             self.draft.runner.reset_state()
         return events
 
-    def _release_token_cell(self, request_id: str) -> None:
-        slot = self._token_cells.pop(request_id, None)
-        if slot is not None:
-            self._free_token_cells.append(slot)
-
     def _final(self, request_id: str, reason: str, state: RequestState | None) -> EngineEvent:
         out = self._outputs.pop(request_id)
-        self._release_token_cell(request_id)
+        self.runner.cells.release(request_id)
         counts = () if state is None else (state.num_cached_tokens, state.num_draft_tokens,
                                            state.num_accepted_tokens)
         usage = Usage(len(out.request.prompt_token_ids), len(out.output_ids), *counts)

@@ -25,8 +25,9 @@ rows alone.
 
 The runner owns the device KV cache (placed by sharding.layout.ShardLayout: layers over
 `pipeline`, KV heads over `tensor`) and the token-cell array: both go into every call and come
-back out.  Every bucket is compiled in `warmup()`; a shape outside the plan raises instead of
-compiling, so serving never compiles.
+back out.  Which sequence holds which token cell is the runner's too (`cells`,
+token_cells.py).  Every bucket is compiled in `warmup()`; a shape outside the plan raises
+instead of compiling, so serving never compiles.
 
 Sampling gathers the vocab-split logits rather than sampling shard-locally: top-p needs a sort
 over the whole vocabulary and logprobs a global log-sum-exp, and [R, V] float32 is small next to
@@ -66,6 +67,7 @@ from xlaserve.serving.runner.row_input import GREEDY, RowInput, RowSampling
 from xlaserve.serving.runner.sampling import SampleOutput
 from xlaserve.serving.runner.step_channel import Op, StepChannel
 from xlaserve.serving.runner.step_functions import forward_step, sample_step
+from xlaserve.serving.runner.token_cells import TokenCells
 from xlaserve.serving.runner.token_mask import all_allowed, mask_as_bias, mask_words
 from xlaserve.serving.scheduler.step_plan import ScheduledSeq
 from xlaserve.sharding.layout import ShardLayout
@@ -105,6 +107,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        self.cells = TokenCells(max_num_seqs)   # which sequence's token is in which cell
         platform = mesh.devices.flat[0].platform
         self.backend = resolve_backend(attention_backend, platform)
         check_model_backend(config, self.backend)
