@@ -51,15 +51,15 @@ def main() -> None:
     runner.warmup()
     if args.process_id != 0:
         if args.die_after is not None:
-            execute, calls = runner._execute, [0]
+            launch, calls = runner._launch_forward, [0]
 
             def dying(host):
                 if calls[0] == args.die_after:
                     os._exit(3)   # no goodbye: as if the host had crashed
                 calls[0] += 1
-                return execute(host)
+                return launch(host)
 
-            runner._execute = dying
+            runner._launch_forward = dying
         n = runner.follow()
         print(f"process 1 followed {n} calls", flush=True)
         jax.distributed.shutdown()
