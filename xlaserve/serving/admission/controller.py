@@ -70,6 +70,7 @@ class _Waiter:
     key: tuple[int, int, int]          # (-tier, -priority, seq): smallest is served first
     ticket: Ticket = field(compare=False)
     future: asyncio.Future[None] = field(compare=False)
+    deadline: float = field(compare=False, default=math.inf)   # clock time its bound ends
 
 
 class AdmissionController:
@@ -170,7 +171,7 @@ class AdmissionController:
                 raise self._reject("queue_full", self._retry_after(wait, weight, work),
                                    f"admission queue is full ({self.max_queue} waiting)")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter((-int(tier), -priority, next(self._seq)), ticket, fut)
+        waiter = _Waiter((-int(tier), -priority, next(self._seq)), ticket, fut, now + bound)
         heapq.heappush(self._queue, waiter)
         try:
             await asyncio.wait_for(asyncio.shield(fut), bound)
@@ -180,10 +181,10 @@ class AdmissionController:
             # here, so it is admitted (rejecting it would leak the lane or waste the grant).
             if self._granted(fut):
                 return ticket
+            # or turned away in that iteration (displaced, or its bound passed): counted once
+            turned_away = fut.exception() if fut.done() and not fut.cancelled() else None
             self._drop(waiter)
-            raise self._reject("timeout", self.expected_wait(tier, priority, weight),
-                               f"waited {bound:g}s in the admission queue, the "
-                               f"{tier.name.lower()} tier's objective") from None
+            raise (turned_away or self._timed_out(ticket, bound)) from None
         except BaseException:
             # Cancelled (client gone) or displaced.  If we were granted a lane in the same
             # instant, hand it on without counting it as a served request.
@@ -232,6 +233,11 @@ class AdmissionController:
             if not self._fits(w.ticket.weight):
                 return
             heapq.heappop(self._queue)
+            if self._clock() > w.deadline:
+                # Its bound passed while the loop was busy and its timer has not run yet:
+                # granting it now would admit a request that waited longer than the bound.
+                w.future.set_exception(self._timed_out(w.ticket, w.deadline - w.ticket.arrived))
+                continue
             self._start(w.ticket)
             w.future.set_result(None)
 
@@ -254,6 +260,11 @@ class AdmissionController:
         share = weight * rates.service_s(work) / rates.lanes if rates is not None else 0.0
         self._retry_at = max(self._retry_at, now + drain_s) + share
         return min(self._retry_at - now, RETRY_AFTER_MAX_S)
+
+    def _timed_out(self, t: Ticket, bound: float) -> Rejected:
+        return self._reject("timeout", self.expected_wait(t.tier, t.priority, t.weight),
+                            f"waited {bound:g}s in the admission queue, the "
+                            f"{t.tier.name.lower()} tier's objective")
 
     def _reject(self, reason: str, retry_after: float, message: str) -> Rejected:
         self.rejections[reason] += 1
