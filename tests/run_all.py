@@ -6,7 +6,11 @@ tests alone (the system tests hold timing bounds a loaded machine could break).
 Two single-device processes, not one, keep each one's live XLA:CPU executables (about four
 memory maps each) far below vm.max_map_count, which one process holding the whole suite's once
 reached.  The first pair shares the two cores: most of their time is XLA compiling, one thread
-per compile, so side by side they take little more than the longer of the two."""
+per compile, so side by side they take little more than the longer of the two.  Each of the
+pair gets one torch thread (OMP_NUM_THREADS=1): torch's two OpenMP threads, one of them on the
+core the other process holds, made transformers' reference decoding 3x slower with one core
+busy (64 greedy tokens of SmolLM2: 3.7 s on one thread, 11.1 s on two; in the suite its 320
+tokens took 139 s)."""
 
 from __future__ import annotations
 
@@ -30,12 +34,13 @@ def start(args: list[str], env: dict[str, str], **kw) -> subprocess.Popen:
 def main() -> int:
     extra = ["--durations=20", *sys.argv[1:]]
     env = dict(os.environ)
-    multi_env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") +
-                                     " --xla_force_host_platform_device_count=8").strip())
+    pair_env = dict(env, OMP_NUM_THREADS="1")
+    multi_env = dict(pair_env, XLA_FLAGS=(env.get("XLA_FLAGS", "") +
+                                          " --xla_force_host_platform_device_count=8").strip())
     with tempfile.TemporaryFile("w+") as multi_log:   # printed whole once it ends
         multi = start([str(MULTI), *extra], multi_env, stdout=multi_log,
                       stderr=subprocess.STDOUT) if any(MULTI.glob("test_*.py")) else None
-        rc = start([*map(str, FIRST), *extra], env).wait()
+        rc = start([*map(str, FIRST), *extra], pair_env).wait()
         if multi is not None:
             rc = multi.wait() or rc
             multi_log.seek(0)
