@@ -1,9 +1,11 @@
 """docs/architecture.md stays checkable against the code: every file it names exists, and every
 identifier it quotes (`LLMEngine.step`, `lay_out`, `max_num_seqs`, ...) occurs in the package's
-sources, so a rename that leaves the page behind fails here."""
+sources, so a rename that leaves the page behind fails here; and its hops of one chat request are
+at most 15, each a function that exists."""
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -41,3 +43,14 @@ def test_every_quoted_identifier_occurs_in_the_code() -> None:
     missing = sorted({q for q in idents
                       if not all(part in words for part in q.rstrip("()").split("."))})
     assert not missing, f"docs/architecture.md quotes names the code does not have: {missing}"
+
+
+def test_the_hops_are_real_functions() -> None:
+    section = DOC.read_text().split("### One chat request in 15 hops")[1].split("###")[0]
+    hops = re.findall(r"^\d+\. `([\w.]+):([\w.]+)`", section, flags=re.M)
+    assert 10 <= len(hops) <= 15, hops
+    for module, qualname in hops:
+        target = importlib.import_module(module)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+        assert callable(target), f"{module}:{qualname} is not a function"

@@ -1,8 +1,9 @@
 """The size bounds docs/architecture.md's package map relies on, so that a reader can hold any
 file in mind: no module over 400 lines and no function over 80 in `xlaserve/serving`,
 `models`, `sharding`, `kernels`, `checkpoints` and `bench` (protoc's generated gRPC stubs
-excepted); and no import circle among xlaserve's modules, not even one a function-level import
-hides (an import under `if TYPE_CHECKING:` never runs and is left out)."""
+excepted); no C++ function over 150 lines in the native kernels; and no import circle among
+xlaserve's modules, not even one a function-level import hides (an import under
+`if TYPE_CHECKING:` never runs and is left out)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "xlaserve"
 PACKAGES = ("serving", "models", "sharding", "kernels", "checkpoints", "bench")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 80
+NATIVE = ROOT / "kernels" / "cpu" / "native"
+MAX_NATIVE_FUNCTION_LINES = 150
+CONTAINERS = ("namespace", "class", "struct", "enum", "extern")
 # Known offenders, each failing the bound today (strict: one that passes must leave the list).
 KNOWN: dict[str, str] = {}
 
@@ -118,3 +122,32 @@ def test_no_import_circle() -> None:
         graph["xlaserve.serving.http.protocol"]
     assert cycles(graph) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def native_bodies(text: str) -> list[tuple[str, int]]:
+    """(the line that opens it, its lines) of every function body in a C++ source: a brace
+    block directly inside a namespace, class, struct or extern block, or at file level (a
+    lambda or loop counts as part of the function around it)."""
+    lines = text.splitlines()
+    out: list[tuple[str, int]] = []
+    stack: list[tuple[int, bool]] = []     # (opening line, a container block)
+    for i, line in enumerate(lines):
+        for ch in line.split("//")[0]:
+            if ch == "{":
+                words = line.split("(")[0].split()
+                stack.append((i, any(w in words for w in CONTAINERS)))
+            elif ch == "}":
+                start, container = stack.pop()
+                if not container and (not stack or stack[-1][1]):
+                    out.append((lines[start].strip(), i - start + 1))
+    return out
+
+
+def test_native_functions_within_bounds() -> None:
+    sources = sorted([*NATIVE.glob("*.cc"), *NATIVE.glob("*.h")])
+    assert len(sources) >= 5
+    bodies = {p.name: native_bodies(p.read_text()) for p in sources}
+    assert any(n > 100 for n in (n for b in bodies.values() for _, n in b))   # it sees them
+    long = [(name, head, n) for name, b in bodies.items() for head, n in b
+            if n > MAX_NATIVE_FUNCTION_LINES]
+    assert not long, f"C++ functions over {MAX_NATIVE_FUNCTION_LINES} lines: {long}"

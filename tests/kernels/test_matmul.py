@@ -183,7 +183,7 @@ def test_the_normed_call_replaces_xlas_norm_fusions():
     w = pack_weight(jnp.ones((2, 64, 96), jnp.float32))
     hlo = jax.jit(lambda x, g, w: layer_matmul(x, (w,), jnp.int32(1), norm=(g, 1e-6))).lower(
         x, g, w).compile().as_text()
-    assert "xlaserve_matmul_packed_normed" in hlo
+    assert "xlaserve_cpu_matmul_packed_normed" in hlo
     assert "reduce" not in hlo and "rsqrt" not in hlo, hlo
 
 

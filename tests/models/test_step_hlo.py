@@ -37,16 +37,16 @@ def hlo_by_bucket() -> dict[tuple[int, int, int], str]:
 def test_the_step_calls_the_native_kernels(hlo_by_bucket) -> None:
     for shape, hlo in hlo_by_bucket.items():
         targets = re.findall(r'custom_call_target="(\w+)"', hlo)
-        assert targets.count("xlaserve_paged_attention") == 1, shape   # inside the layer loop
+        assert targets.count("xlaserve_cpu_paged_attention") == 1, shape   # inside the layer loop
         # RoPE and the KV write in one call, the cache updated through its aliased outputs
-        assert targets.count("xlaserve_rope_kv_write") == 1, shape
+        assert targets.count("xlaserve_cpu_rope_kv_write") == 1, shape
         # qkv and gate+up on packed weight panels with their pre-norms folded in, the output
         # head on packed panels; o adding the residual; down with its silu gate folded in,
         # adding the residual too
-        assert targets.count("xlaserve_matmul_packed_normed") == 2, shape
-        assert targets.count("xlaserve_matmul_packed") == 1, shape
-        assert targets.count("xlaserve_matmul_packed_add") == 1, shape
-        assert targets.count("xlaserve_matmul_packed_gated") == 1, shape
+        assert targets.count("xlaserve_cpu_matmul_packed_normed") == 2, shape
+        assert targets.count("xlaserve_cpu_matmul_packed") == 1, shape
+        assert targets.count("xlaserve_cpu_matmul_packed_add") == 1, shape
+        assert targets.count("xlaserve_cpu_matmul_packed_gated") == 1, shape
 
 
 def test_no_weight_slice_or_cache_is_copied(hlo_by_bucket) -> None:

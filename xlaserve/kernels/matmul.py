@@ -192,7 +192,7 @@ def layer_matmul(x: jax.Array, weights: Sequence[Operand], layer: jax.Array,
                                 use_kernel=use_kernel)
         out = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32)
                     for w in weights)
-        return tuple(jax.ffi.ffi_call("xlaserve_matmul_packed_normed", out)(
+        return tuple(jax.ffi.ffi_call("xlaserve_cpu_matmul_packed_normed", out)(
             x, jnp.asarray(layer, jnp.int32).reshape(()), used, g,
             *(a for w in weights for a in w.kernel_args()), eps=np.float32(eps)))
     if residual is not None:
@@ -204,7 +204,7 @@ def layer_matmul(x: jax.Array, weights: Sequence[Operand], layer: jax.Array,
         if isinstance(w, PackedWeight) and uses_kernel(x, use_kernel):
             out = jax.ShapeDtypeStruct(residual.shape, jnp.float32)
             layer = jnp.asarray(layer, jnp.int32).reshape(())
-            return (jax.ffi.ffi_call("xlaserve_matmul_packed_add", out)(
+            return (jax.ffi.ffi_call("xlaserve_cpu_matmul_packed_add", out)(
                 x, layer, used, residual, *w.kernel_args()),)
         (y,) = layer_matmul(x, weights, layer, use_kernel=use_kernel)
         return (residual + y,)
@@ -214,11 +214,11 @@ def layer_matmul(x: jax.Array, weights: Sequence[Operand], layer: jax.Array,
     out = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32) for w in weights)
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     if all(packed):
-        return tuple(jax.ffi.ffi_call("xlaserve_matmul_packed", out)(
+        return tuple(jax.ffi.ffi_call("xlaserve_cpu_matmul_packed", out)(
             x, layer, used, *(a for w in weights for a in w.kernel_args())))
     if any(packed):
         raise ValueError("layer_matmul: packed and unpacked weights in one call")
-    return tuple(jax.ffi.ffi_call("xlaserve_matmul", out)(x, layer, *weights))
+    return tuple(jax.ffi.ffi_call("xlaserve_cpu_matmul", out)(x, layer, *weights))
 
 
 def gated_matmul(gate: jax.Array, up: jax.Array, w: Operand,
@@ -242,7 +242,7 @@ def gated_matmul(gate: jax.Array, up: jax.Array, w: Operand,
     out = jax.ShapeDtypeStruct((gate.shape[0], w.shape[-1]), jnp.float32)
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     extra = () if residual is None else (residual,)
-    return jax.ffi.ffi_call("xlaserve_matmul_packed_gated", out)(
+    return jax.ffi.ffi_call("xlaserve_cpu_matmul_packed_gated", out)(
         gate, up, layer, _rows_operand(gate, rows), *w.kernel_args(), *extra)
 
 
@@ -264,4 +264,4 @@ def head_matmul(x: jax.Array, table: jax.Array, *, use_kernel: bool = True) -> j
     if not uses_kernel(x, use_kernel) or table.dtype != jnp.float32:
         return head_matmul_reference(x, table)
     out = jax.ShapeDtypeStruct((x.shape[0], table.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call("xlaserve_matmul_nt", out)(x, table)
+    return jax.ffi.ffi_call("xlaserve_cpu_matmul_nt", out)(x, table)

@@ -183,7 +183,7 @@ def ragged_attention(
                                         f"{jax.default_backend()})"
         raise ValueError(f"the CPU attention kernel is not available: {reason}")
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call("xlaserve_paged_attention", out)(
+    return jax.ffi.ffi_call("xlaserve_cpu_paged_attention", out)(
         q, k_flat, v_flat, jnp.asarray(layer, jnp.int32).reshape(()), token_rows, positions,
         block_tables, num_blocks=np.int64(num_blocks), block_size=np.int64(block_size),
         scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),

@@ -91,7 +91,7 @@ def rope_kv_write_kernel(q: jax.Array, k: jax.Array, v: jax.Array, cos: jax.Arra
     out = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
            jax.ShapeDtypeStruct(k_flat.shape, jnp.float32),
            jax.ShapeDtypeStruct(v_flat.shape, jnp.float32))
-    call = jax.ffi.ffi_call("xlaserve_rope_kv_write", out, input_output_aliases={5: 1, 6: 2})
+    call = jax.ffi.ffi_call("xlaserve_cpu_rope_kv_write", out, input_output_aliases={5: 1, 6: 2})
     return call(*arrays, jnp.asarray(layer, jnp.int32).reshape(()), slot_mapping,
                 rows_per_layer=np.int64(rows_per_layer))
 

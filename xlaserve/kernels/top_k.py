@@ -28,6 +28,6 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         return top_k_reference(x, k)
     b = x.shape[0]
     values, indices = jax.ffi.ffi_call(
-        "xlaserve_top_k", (jax.ShapeDtypeStruct((b, k), jnp.float32),
+        "xlaserve_cpu_top_k", (jax.ShapeDtypeStruct((b, k), jnp.float32),
                            jax.ShapeDtypeStruct((b, k), jnp.int32)))(x)
     return values, indices

@@ -37,17 +37,18 @@ NATIVE_DIR = Path(__file__).parent / "native"
 LIBRARY_NAME = "libxlaserve_cpu.so"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-DNDEBUG",
          "-Wall", "-Wno-unknown-pragmas")
-# FFI target name -> exported handler symbol.
+# FFI target name -> exported handler symbol, both named for the backend they run on (cpu), so
+# an HLO dump or a profile says which backend's kernel a custom call is.
 HANDLERS = {
-    "xlaserve_matmul": "XlaserveMatmul",
-    "xlaserve_matmul_packed": "XlaserveMatmulPacked",
-    "xlaserve_matmul_packed_normed": "XlaserveMatmulPackedNormed",
-    "xlaserve_matmul_packed_gated": "XlaserveMatmulPackedGated",
-    "xlaserve_matmul_packed_add": "XlaserveMatmulPackedAdd",
-    "xlaserve_matmul_nt": "XlaserveMatmulNt",
-    "xlaserve_paged_attention": "XlaservePagedAttention",
-    "xlaserve_rope_kv_write": "XlaserveRopeKvWrite",
-    "xlaserve_top_k": "XlaserveTopK",
+    "xlaserve_cpu_matmul": "XlaserveCpuMatmul",
+    "xlaserve_cpu_matmul_packed": "XlaserveCpuMatmulPacked",
+    "xlaserve_cpu_matmul_packed_normed": "XlaserveCpuMatmulPackedNormed",
+    "xlaserve_cpu_matmul_packed_gated": "XlaserveCpuMatmulPackedGated",
+    "xlaserve_cpu_matmul_packed_add": "XlaserveCpuMatmulPackedAdd",
+    "xlaserve_cpu_matmul_nt": "XlaserveCpuMatmulNt",
+    "xlaserve_cpu_paged_attention": "XlaserveCpuPagedAttention",
+    "xlaserve_cpu_rope_kv_write": "XlaserveCpuRopeKvWrite",
+    "xlaserve_cpu_top_k": "XlaserveCpuTopK",
 }
 
 
@@ -145,8 +146,8 @@ def matmul_tile_n() -> int:
     lib = load()
     if lib is None:
         raise RuntimeError(f"the CPU kernels are not available: {load_error()}")
-    lib.xlaserve_matmul_tile_n.restype = ctypes.c_int64
-    return int(lib.xlaserve_matmul_tile_n())
+    lib.xlaserve_cpu_matmul_tile_n.restype = ctypes.c_int64
+    return int(lib.xlaserve_cpu_matmul_tile_n())
 
 
 def main() -> int:

@@ -1,9 +1,9 @@
 // Weight matmuls for the CPU backend, reading stacked layer weights in place (the weights as
 // stored; packed panels, float32 or int8, are matmul_packed.cc's; the register tile, tile.h).
 //
-//   xlaserve_matmul      x [M, K] f32, layer [] i32, w_j [L, K, N_j] f32 (j = 1..n)
+//   xlaserve_cpu_matmul      x [M, K] f32, layer [] i32, w_j [L, K, N_j] f32 (j = 1..n)
 //                        -> y_j [M, N_j] = x @ w_j[layer]          (or w_j [K, N_j], no layer)
-//   xlaserve_matmul_nt   x [M, K] f32, w [N, K] f32  -> y [M, N] = x @ w^T
+//   xlaserve_cpu_matmul_nt   x [M, K] f32, w [N, K] f32  -> y [M, N] = x @ w^T
 //                        (the output head over a tied embedding table, stored [V, E])
 //
 // Why: under lax.scan over stacked weights XLA:CPU copies each layer's slice before its dot,
@@ -209,23 +209,24 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32, 2> x,
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   const int32_t l = *layer.typed_data();
   if (weights.size() != outputs.size() || weights.size() == 0)
-    return ffi::Error::InvalidArgument("xlaserve_matmul: one output per weight, at least one");
+    return ffi::Error::InvalidArgument("xlaserve_cpu_matmul: one output per weight, at least one");
   std::vector<Operand> ops;
   std::vector<ColumnTile> tiles;
   for (size_t j = 0; j < weights.size(); ++j) {
     auto w = weights.get<ffi::Buffer<ffi::F32>>(j);
     auto y = outputs.get<ffi::Buffer<ffi::F32>>(j);
     if (!w.has_value() || !y.has_value())
-      return ffi::Error::InvalidArgument("xlaserve_matmul: weights and outputs must be f32");
+      return ffi::Error::InvalidArgument("xlaserve_cpu_matmul: weights and outputs must be f32");
     auto wd = w->dimensions();
     const int64_t rank = static_cast<int64_t>(wd.size());
     if ((rank != 2 && rank != 3) || wd[rank - 2] != K)
-      return ffi::Error::InvalidArgument("xlaserve_matmul: weight must be [L, K, N] or [K, N] "
+      return ffi::Error::InvalidArgument("xlaserve_cpu_matmul: weight must be [L, K, N] or [K, N] "
                                          "with K = x.shape[1]");
     const int64_t N = wd[rank - 1];
     int64_t offset = 0;
     if (rank == 3) {
-      if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("xlaserve_matmul: layer out of range");
+      if (l < 0 || l >= wd[0])
+        return ffi::Error::InvalidArgument("xlaserve_cpu_matmul: layer out of range");
       offset = static_cast<int64_t>(l) * K * N;
     }
     ops.push_back({w->typed_data() + offset, (*y)->typed_data(), N});
@@ -305,7 +306,8 @@ ffi::Error MatmulNt(ffi::Buffer<ffi::F32, 2> x,
                     ffi::Buffer<ffi::F32, 2> w, ffi::ResultBuffer<ffi::F32, 2> y) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
   if (w.dimensions()[1] != K)
-    return ffi::Error::InvalidArgument("xlaserve_matmul_nt: w must be [N, K] with K = x.shape[1]");
+    return ffi::Error::InvalidArgument("xlaserve_cpu_matmul_nt: w must be [N, K] with "
+                                       "K = x.shape[1]");
   constexpr int NR = kVectorRegisters >= 32 ? 4 : 2;
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
@@ -323,14 +325,14 @@ ffi::Error MatmulNt(ffi::Buffer<ffi::F32, 2> x,
 }  // namespace
 }  // namespace xlaserve
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmul, xlaserve::Matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuMatmul, xlaserve::Matmul,
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_2>()  // x
                                   .Arg<xlaserve::S32_0>()  // layer
                                   .RemainingArgs()                  // w_j
                                   .RemainingRets());                // y_j
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulNt, xlaserve::MatmulNt,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuMatmulNt, xlaserve::MatmulNt,
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_2>()   // x
                                   .Arg<xlaserve::F32_2>()   // w

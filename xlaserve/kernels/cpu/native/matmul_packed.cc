@@ -1,15 +1,15 @@
 // Weight matmuls over packed panels, float32 or int8 (weight-only quantized).
 //
-//   xlaserve_matmul_packed   x [M, K] f32, layer [] i32, rows [] i32, then per weight j:
+//   xlaserve_cpu_matmul_packed   x [M, K] f32, layer [] i32, rows [] i32, then per weight j:
 //                            p_j [L, T_j, K, TN]
 //                            (f32, or s8 followed by its scales s_j [L, T_j, K / G, TN] f32)
 //                            -> y_j [M, N_j] = x @ w_j[layer], T_j = ceil(N_j / TN)
-//   xlaserve_matmul_packed_normed x [M, K], layer, rows, norm [L, K] f32, then p_j [, s_j];
+//   xlaserve_cpu_matmul_packed_normed x [M, K], layer, rows, norm [L, K] f32, then p_j [, s_j];
 //                            attr eps -> y_j = rms_norm(x, norm[layer]) @ w_j[layer]  (q/k/v
 //                            and gate/up take the layer's pre-norm in the same call)
-//   xlaserve_matmul_packed_add    x [M, K], layer, rows, residual [M, N], p [L, T, K, TN] [, s]
+//   xlaserve_cpu_matmul_packed_add    x [M, K], layer, rows, residual [M, N], p [L, T, K, TN] [, s]
 //                            -> y [M, N] = residual + x @ w[layer]      (o: the residual update)
-//   xlaserve_matmul_packed_gated  gate [M, F], up [M, F] f32, layer, rows, p [L, T, F, TN]
+//   xlaserve_cpu_matmul_packed_gated  gate [M, F], up [M, F] f32, layer, rows, p [L, T, F, TN]
 //                            [, s] [, residual [M, N]]
 //                            -> y [M, N] = [residual +] (silu(gate) * up) @ w[layer]  (down)
 //
@@ -262,7 +262,7 @@ ffi::Error MatmulPacked(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> lay
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   std::vector<Panel> panels;
   if (const char* bad = collect_panels(weights, outputs, M, K, *layer.typed_data(), panels))
-    return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed: ") + bad);
+    return ffi::Error::InvalidArgument(std::string("xlaserve_cpu_matmul_packed: ") + bad);
   run_used_rows(x.typed_data(), rows_in_use(rows, M), M, K, panels);
   return ffi::Error::Success();
 }
@@ -314,11 +314,11 @@ ffi::Error MatmulPackedNormed(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   const int32_t l = *layer.typed_data();
   if (norm.dimensions()[1] != K || l < 0 || l >= norm.dimensions()[0])
-    return ffi::Error::InvalidArgument("xlaserve_matmul_packed_normed: norm must be [L, K] "
+    return ffi::Error::InvalidArgument("xlaserve_cpu_matmul_packed_normed: norm must be [L, K] "
                                        "for x [M, K], with the layer in [0, L)");
   std::vector<Panel> panels;
   if (const char* bad = collect_panels(weights, outputs, M, K, l, panels))
-    return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_normed: ") + bad);
+    return ffi::Error::InvalidArgument(std::string("xlaserve_cpu_matmul_packed_normed: ") + bad);
   thread_local std::vector<float> scratch;   // the calling thread's: workers get `h`
   const int64_t used = rows_in_use(rows, M);
   scratch.resize(used * K);
@@ -339,7 +339,7 @@ ffi::Error MatmulPackedAdd(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> 
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   auto yd = y->dimensions();
   if (residual.dimensions()[0] != yd[0] || residual.dimensions()[1] != yd[1])
-    return ffi::Error::InvalidArgument("xlaserve_matmul_packed_add: residual must be [M, N] "
+    return ffi::Error::InvalidArgument("xlaserve_cpu_matmul_packed_add: residual must be [M, N] "
                                        "as y");
   size_t i = 0;
   PackedArg w;
@@ -349,7 +349,8 @@ ffi::Error MatmulPackedAdd(ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S32, 0> 
   if (bad == nullptr)
     bad = add_panels(w, y->typed_data(), M, yd[1], yd[0], K, *layer.typed_data(), panels,
                      residual.typed_data());
-  if (bad) return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_add: ") + bad);
+  if (bad)
+    return ffi::Error::InvalidArgument(std::string("xlaserve_cpu_matmul_packed_add: ") + bad);
   run_used_rows(x.typed_data(), rows_in_use(rows, M), M, K, panels);
   return ffi::Error::Success();
 }
@@ -374,7 +375,7 @@ ffi::Error MatmulPackedGated(ffi::Buffer<ffi::F32, 2> gate, ffi::Buffer<ffi::F32
                              ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32, 2> y) {
   const int64_t M = gate.dimensions()[0], F = gate.dimensions()[1];
   if (up.dimensions()[0] != M || up.dimensions()[1] != F)
-    return ffi::Error::InvalidArgument("xlaserve_matmul_packed_gated: gate and up must have "
+    return ffi::Error::InvalidArgument("xlaserve_cpu_matmul_packed_gated: gate and up must have "
                                        "one shape [M, F]");
   auto yd = y->dimensions();
   size_t i = 0;
@@ -393,7 +394,7 @@ ffi::Error MatmulPackedGated(ffi::Buffer<ffi::F32, 2> gate, ffi::Buffer<ffi::F32
   if (bad == nullptr)
     bad = add_panels(w, y->typed_data(), M, yd[1], yd[0], F, *layer.typed_data(), panels, res);
   if (bad)
-    return ffi::Error::InvalidArgument(std::string("xlaserve_matmul_packed_gated: ") + bad);
+    return ffi::Error::InvalidArgument(std::string("xlaserve_cpu_matmul_packed_gated: ") + bad);
   thread_local std::vector<float> scratch;   // the calling thread's: workers get `h`
   const int64_t used = rows_in_use(rows, M);
   scratch.resize(used * F);
@@ -410,7 +411,7 @@ ffi::Error MatmulPackedGated(ffi::Buffer<ffi::F32, 2> gate, ffi::Buffer<ffi::F32
 }  // namespace
 }  // namespace xlaserve
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPacked, xlaserve::MatmulPacked,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuMatmulPacked, xlaserve::MatmulPacked,
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_2>()  // x
                                   .Arg<xlaserve::S32_0>()  // layer
@@ -418,7 +419,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPacked, xlaserve::MatmulPacked,
                                   .RemainingArgs()         // p_j [, s_j]
                                   .RemainingRets());       // y_j
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedNormed, xlaserve::MatmulPackedNormed,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuMatmulPackedNormed, xlaserve::MatmulPackedNormed,
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_2>()  // x
                                   .Arg<xlaserve::S32_0>()  // layer
@@ -428,7 +429,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedNormed, xlaserve::MatmulPacked
                                   .RemainingRets()         // y_j
                                   .Attr<float>("eps"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedGated, xlaserve::MatmulPackedGated,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuMatmulPackedGated, xlaserve::MatmulPackedGated,
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_2>()     // gate
                                   .Arg<xlaserve::F32_2>()     // up
@@ -437,7 +438,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedGated, xlaserve::MatmulPackedG
                                   .RemainingArgs()            // p [, s] [, residual]
                                   .Ret<xlaserve::F32_2>());   // y
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedAdd, xlaserve::MatmulPackedAdd,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuMatmulPackedAdd, xlaserve::MatmulPackedAdd,
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_2>()     // x
                                   .Arg<xlaserve::S32_0>()     // layer
@@ -446,4 +447,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatmulPackedAdd, xlaserve::MatmulPackedAdd
                                   .RemainingArgs()            // p [, s]
                                   .Ret<xlaserve::F32_2>());   // y
 
-extern "C" int64_t xlaserve_matmul_tile_n() { return xlaserve::kTileN; }
+extern "C" int64_t xlaserve_cpu_matmul_tile_n() { return xlaserve::kTileN; }

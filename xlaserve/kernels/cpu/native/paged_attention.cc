@@ -456,15 +456,13 @@ void attend_blocks(const Geometry& g, const Tile& tile, int64_t b0, int64_t b1, 
   (void)keep;
 }
 
-ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
-                          ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
-                          ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 1> token_rows,
-                          ffi::Buffer<ffi::S32, 1> positions,
-                          ffi::Buffer<ffi::S32, 2> block_tables,
-                          ffi::ResultBuffer<ffi::F32, 3> out, int64_t num_blocks,
-                          int64_t block_size, float scale, float soft_cap,
-                          int64_t sliding_window) {
-  Geometry g;
+// The geometry and cache of a call, or the error naming what disagrees.
+ffi::Error read_geometry(ffi::Buffer<ffi::F32, 3> q, ffi::AnyBuffer k_cache,
+                         ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32, 0> layer,
+                         ffi::Buffer<ffi::S32, 1> token_rows, ffi::Buffer<ffi::S32, 1> positions,
+                         ffi::Buffer<ffi::S32, 2> block_tables, int64_t num_blocks,
+                         int64_t block_size, float scale, float soft_cap, int64_t sliding_window,
+                         Geometry& g, Cache& cache) {
   g.T = q.dimensions()[0];
   g.H = q.dimensions()[1];
   g.D = q.dimensions()[2];
@@ -476,18 +474,18 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
   g.scale = scale;
   g.soft_cap = soft_cap;
   g.window = sliding_window;
-  Cache cache{CacheType::kF32, k_cache.untyped_data(), v_cache.untyped_data()};
+  cache = Cache{CacheType::kF32, k_cache.untyped_data(), v_cache.untyped_data()};
   switch (k_cache.element_type()) {
     case ffi::DataType::F32: break;
     case ffi::DataType::F16: cache.type = CacheType::kF16; break;
     case ffi::DataType::BF16: cache.type = CacheType::kBF16; break;
     case ffi::DataType::S8: cache.type = CacheType::kS8; break;
     default:
-      return ffi::Error::InvalidArgument("xlaserve_paged_attention: the caches must be f32, "
-                                         "f16, bf16 or s8");
+      return ffi::Error::InvalidArgument("xlaserve_cpu_paged_attention: the caches must be "
+                                         "f32, f16, bf16 or s8");
   }
   if (v_cache.element_type() != k_cache.element_type())
-    return ffi::Error::InvalidArgument("xlaserve_paged_attention: k_cache and v_cache "
+    return ffi::Error::InvalidArgument("xlaserve_cpu_paged_attention: k_cache and v_cache "
                                        "element types differ");
   const bool int8 = cache.type == CacheType::kS8;
   const int64_t row = int8 ? g.D + 4 : g.D;   // an int8 row carries its scale
@@ -495,26 +493,30 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
       g.H % g.KVH || k_cache.dimensions()[2] != row ||
       v_cache.dimensions()[0] != k_cache.dimensions()[0] ||
       v_cache.dimensions()[1] != g.KVH || v_cache.dimensions()[2] != row)
-    return ffi::Error::InvalidArgument("xlaserve_paged_attention: q [T, H, D] and caches "
+    return ffi::Error::InvalidArgument("xlaserve_cpu_paged_attention: q [T, H, D] and caches "
                                        "[L*N*bs, KVH, D] (D + 4 for s8) disagree");
   if (g.bs <= 0 || g.bs > kMaxBlockSize || g.N <= 0 || g.W <= 0 ||
       k_cache.dimensions()[0] % (g.N * g.bs))
-    return ffi::Error::InvalidArgument("xlaserve_paged_attention: cache rows are not a "
+    return ffi::Error::InvalidArgument("xlaserve_cpu_paged_attention: cache rows are not a "
                                        "multiple of num_blocks x block_size");
   g.G = g.H / g.KVH;
   const int64_t num_layers = k_cache.dimensions()[0] / (g.N * g.bs);
   g.layer = *layer.typed_data();
   if (g.layer < 0 || g.layer >= num_layers)
-    return ffi::Error::InvalidArgument("xlaserve_paged_attention: layer out of range");
+    return ffi::Error::InvalidArgument("xlaserve_cpu_paged_attention: layer out of range");
   if (token_rows.dimensions()[0] != g.T || positions.dimensions()[0] != g.T)
-    return ffi::Error::InvalidArgument("xlaserve_paged_attention: token_rows and positions "
-                                       "must have one entry per query token");
-  const int32_t* rows = token_rows.typed_data();
-  const int32_t* pos = positions.typed_data();
-  float* o = out->typed_data();
+    return ffi::Error::InvalidArgument("xlaserve_cpu_paged_attention: token_rows and "
+                                       "positions must have one entry per query token");
+  return ffi::Error::Success();
+}
+
+// Consecutive tokens of one row cut into tiles of up to kQueryTile, each with the table
+// entries some token of it sees; padding tokens' outputs are zeroed here.  Adds the tiles'
+// blocks to total_blocks.
+std::vector<Tile> cut_tiles(const Geometry& g, const int32_t* rows, const int32_t* pos,
+                            float* o, int64_t& total_blocks) {
   const int64_t max_pos = g.W * g.bs - 1;
   std::vector<Tile> tiles;
-  int64_t total_blocks = 0;
   for (int64_t t = 0; t < g.T;) {
     const int32_t r = rows[t];
     if (r < 0 || r >= g.R) {  // padding (or a row id outside the table): zeros
@@ -534,13 +536,19 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
     total_blocks += hi / g.bs + 1 - lo / g.bs;
     t += n;
   }
-  // Items: every tile whole, unless that leaves threads idle; then long tiles are split into
-  // runs of about total / (kItemsPerThread x threads) blocks (at least kMinChunkBlocks).
+  return tiles;
+}
+
+// The work items: every tile whole, unless that leaves threads idle; then long tiles are split
+// into runs of about total / (kItemsPerThread x threads) blocks (at least kMinChunkBlocks).
+// first_item[i] .. first_item[i + 1] - 1 are tile i's items.
+std::vector<Item> plan_items(const std::vector<Tile>& tiles, int64_t total_blocks,
+                             std::vector<int64_t>& first_item) {
   const int64_t want = kItemsPerThread * num_threads();
   const int64_t chunk = static_cast<int64_t>(tiles.size()) >= want ? 0 :
       std::max<int64_t>(kMinChunkBlocks, (total_blocks + want - 1) / want);
   std::vector<Item> items;
-  std::vector<int64_t> first_item(tiles.size() + 1);
+  first_item.assign(tiles.size() + 1, 0);
   for (size_t i = 0; i < tiles.size(); ++i) {
     first_item[i] = static_cast<int64_t>(items.size());
     const Tile& tl = tiles[i];
@@ -550,15 +558,18 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
                        tl.b_lo + (tl.b_hi - tl.b_lo) * (c + 1) / parts, c});
   }
   first_item[tiles.size()] = static_cast<int64_t>(items.size());
-  // Per item and (token, head): m, l, acc[D].  A tile that is one item writes out directly.
+  return items;
+}
+
+// Runs every item over the workers, longest first (a prefill's last tiles see the most keys, so
+// no thread is left with a long one at the end).  A tile that is one item writes its output;
+// a split tile's items leave m, l, acc[D] per (token, head) in state, at item x kQueryTile x H
+// rows of D + 2 floats.
+void run_items(const Geometry& g, const std::vector<Tile>& tiles,
+               const std::vector<Item>& items, const std::vector<int64_t>& first_item,
+               const float* qp, const Cache& cache, const int32_t* pos, const int32_t* bt,
+               float* state, float* o) {
   const int64_t row_floats = g.D + 2;
-  thread_local std::vector<float> state_buffer;   // reused: a fresh one per call page-faults
-  state_buffer.resize(items.size() * kQueryTile * g.H * row_floats);
-  float* const state = state_buffer.data();       // (workers must not name the thread_local)
-  const float* qp = q.typed_data();
-  const int32_t* bt = block_tables.typed_data();
-  // Longest items first (a prefill's last tiles see the most keys), so no thread is left
-  // with a long one at the end.
   std::vector<int64_t> order(items.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
@@ -594,7 +605,12 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
       base[r * row_floats + 1] = st[r].l;
     }
   });
-  // Merge the items of each split tile: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+}
+
+// Merges the items of each split tile: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+void merge_split_tiles(const Geometry& g, const std::vector<Tile>& tiles,
+                       const std::vector<int64_t>& first_item, const float* state, float* o) {
+  const int64_t row_floats = g.D + 2;
   std::vector<int64_t> split;
   for (size_t i = 0; i < tiles.size(); ++i)
     if (first_item[i + 1] - first_item[i] > 1) split.push_back(static_cast<int64_t>(i));
@@ -619,13 +635,42 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
       for (int64_t d = 0; d < g.D; ++d) dst[d] *= inv;
     }
   });
+}
+
+ffi::Error PagedAttention(ffi::Buffer<ffi::F32, 3> q,
+                          ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                          ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 1> token_rows,
+                          ffi::Buffer<ffi::S32, 1> positions,
+                          ffi::Buffer<ffi::S32, 2> block_tables,
+                          ffi::ResultBuffer<ffi::F32, 3> out, int64_t num_blocks,
+                          int64_t block_size, float scale, float soft_cap,
+                          int64_t sliding_window) {
+  Geometry g;
+  Cache cache{CacheType::kF32, nullptr, nullptr};
+  ffi::Error bad = read_geometry(q, k_cache, v_cache, layer, token_rows, positions,
+                                 block_tables, num_blocks, block_size, scale, soft_cap,
+                                 sliding_window, g, cache);
+  if (bad.failure()) return bad;
+  const int32_t* pos = positions.typed_data();
+  float* o = out->typed_data();
+  int64_t total_blocks = 0;
+  const std::vector<Tile> tiles = cut_tiles(g, token_rows.typed_data(), pos, o, total_blocks);
+  std::vector<int64_t> first_item;
+  const std::vector<Item> items = plan_items(tiles, total_blocks, first_item);
+  // Per item and (token, head): m, l, acc[D].
+  thread_local std::vector<float> state_buffer;   // reused: a fresh one per call page-faults
+  state_buffer.resize(items.size() * kQueryTile * g.H * (g.D + 2));
+  float* const state = state_buffer.data();       // (workers must not name the thread_local)
+  run_items(g, tiles, items, first_item, q.typed_data(), cache, pos, block_tables.typed_data(),
+            state, o);
+  merge_split_tiles(g, tiles, first_item, state, o);
   return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace xlaserve
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttention, xlaserve::PagedAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPagedAttention, xlaserve::PagedAttention,
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_3>()  // q
                                   .Arg<ffi::AnyBuffer>()   // k_cache (f32, f16, bf16, s8)

@@ -70,11 +70,11 @@ ffi::Error RopeKvWrite(F32_3 q, F32_3 k, F32_3 v, F32_2 cos, F32_2 sin, F32_3 k_
   if (kd[0] != T || kd[2] != D || !same_shape(v.dimensions(), kd) || D % 2 ||
       cos.dimensions()[0] != T || cos.dimensions()[1] != D / 2 ||
       !same_shape(sin.dimensions(), cos.dimensions()) || slots.dimensions()[0] != T)
-    return ffi::Error::InvalidArgument("xlaserve_rope_kv_write: q [T, H, D], k and v [T, KVH, "
+    return ffi::Error::InvalidArgument("xlaserve_cpu_rope_kv_write: q [T, H, D], k and v [T, KVH, "
                                        "D], cos and sin [T, D/2], slots [T] disagree");
   if (cd[1] != KVH || cd[2] != D || !same_shape(v_cache_in.dimensions(), cd) || rows_per_layer <= 0 ||
       cd[0] % rows_per_layer)
-    return ffi::Error::InvalidArgument("xlaserve_rope_kv_write: caches must be [L*N*bs, KVH, "
+    return ffi::Error::InvalidArgument("xlaserve_cpu_rope_kv_write: caches must be [L*N*bs, KVH, "
                                        "D] with L*N*bs a multiple of rows_per_layer");
   const int64_t total = cd[0];
   const int64_t base = static_cast<int64_t>(*layer.typed_data()) * rows_per_layer;
@@ -112,7 +112,7 @@ ffi::Error RopeKvWrite(F32_3 q, F32_3 k, F32_3 v, F32_2 cos, F32_2 sin, F32_3 k_
 }  // namespace
 }  // namespace xlaserve
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveRopeKvWrite, xlaserve::RopeKvWrite,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuRopeKvWrite, xlaserve::RopeKvWrite,
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_3>()  // q
                                   .Arg<xlaserve::F32_3>()  // k

@@ -62,7 +62,7 @@ ffi::Error TopK(ffi::Buffer<ffi::F32, 2> x, ffi::ResultBuffer<ffi::F32, 2> value
   const int64_t B = x.dimensions()[0], V = x.dimensions()[1], k = values->dimensions()[1];
   if (k < 1 || k > V || values->dimensions()[0] != B || indices->dimensions()[0] != B ||
       indices->dimensions()[1] != k)
-    return ffi::Error::InvalidArgument("xlaserve_top_k: outputs must be [B, k], 1 <= k <= V");
+    return ffi::Error::InvalidArgument("xlaserve_cpu_top_k: outputs must be [B, k], 1 <= k <= V");
   const float* xp = x.typed_data();
   float* vp = values->typed_data();
   int32_t* ip = indices->typed_data();
@@ -73,7 +73,7 @@ ffi::Error TopK(ffi::Buffer<ffi::F32, 2> x, ffi::ResultBuffer<ffi::F32, 2> value
 }  // namespace
 }  // namespace xlaserve
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveTopK, xlaserve::TopK,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuTopK, xlaserve::TopK,
                               ffi::Ffi::Bind()
                                   .Arg<xlaserve::F32_2>()    // x
                                   .Ret<xlaserve::F32_2>()    // values
