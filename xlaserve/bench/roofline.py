@@ -131,17 +131,19 @@ def decode_step_ms(runner: ModelRunner, prompt: tuple[int, ...], steps: int = 20
     if n_blocks > width_max:
         raise ValueError(f"decode probe of {total} tokens exceeds the widest table "
                          f"({width_max} blocks)")
-    slot = 1
-    call = runner.run([runner.row(prompt, 0, table[:-(-len(prompt) // bs)], slot)])
-    call.out.tokens.block_until_ready()
     times = []
-    for k in range(steps):
-        pos = len(prompt) + k
-        row = runner.row((PENDING_TOKEN,), pos, table[:pos // bs + 1], slot)
-        start = time.perf_counter()
-        call = runner.run([row])
+    try:   # the probe's token cell (owner "probe") is given back after
+        call = runner.run([runner.row("probe", prompt, 0, table[:-(-len(prompt) // bs)])])
         call.out.tokens.block_until_ready()
-        times.append(time.perf_counter() - start)
+        for k in range(steps):
+            pos = len(prompt) + k
+            row = runner.row("probe", (PENDING_TOKEN,), pos, table[:pos // bs + 1])
+            start = time.perf_counter()
+            call = runner.run([row])
+            call.out.tokens.block_until_ready()
+            times.append(time.perf_counter() - start)
+    finally:
+        runner.cells.release("probe")
     return 1e3 * float(np.median(times))
 
 

@@ -23,8 +23,8 @@ from xlaserve.bench.metrics import Clock, KVWasteMeter, RequestOutcome, SystemRe
 from xlaserve.bench.workload import BenchRequest, Workload
 from xlaserve.serving.runner.compile_counter import CompileCounter
 from xlaserve.serving.runner.calls import CallResult
-from xlaserve.serving.runner.runner import ModelRunner, RowInput
-from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
+from xlaserve.serving.runner.runner import ModelRunner
+from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq
 
 
 class BlockAllocator:
@@ -48,7 +48,7 @@ class BlockAllocator:
 @dataclass
 class _Row:
     request: BenchRequest
-    slot: int                       # token cell in [1, max_num_seqs]
+    owner: str                      # owns its token cell (runner.cells): `slot-{n}`
     table: list[int]                # reserved for prompt + the batch's longest output
     written: int = 0                # positions whose KV is in the cache
     tokens: list[int] = field(default_factory=list)
@@ -95,6 +95,7 @@ class StaticBatcher:
                 finally:
                     for row in rows:
                         self.allocator.release(row.table)
+                        self.runner.cells.release(row.owner)
                 for row in rows:
                     assert row.done_at is not None
                     outcomes[row.request.request_id] = RequestOutcome(
@@ -115,7 +116,7 @@ class StaticBatcher:
         try:
             for i, r in enumerate(batch):
                 need = _blocks(len(r.prompt_token_ids) + longest - 1, bs)
-                rows.append(_Row(r, i + 1, self.allocator.allocate(need)))
+                rows.append(_Row(r, f"slot-{i + 1}", self.allocator.allocate(need)))
         except ValueError:
             for row in rows:
                 self.allocator.release(row.table)
@@ -147,12 +148,12 @@ class StaticBatcher:
         # Prefill: round after round, every row with prompt left feeds its next chunk.
         while any(row.written < len(row.prompt) for row in rows):
             calls: list[tuple[CallResult, list[tuple[int, _Row]]]] = []
-            part: list[tuple[_Row, RowInput]] = []
+            part: list[tuple[_Row, ScheduledSeq]] = []
 
             def launch() -> None:
                 call = runner.run([inp for _, inp in part])
                 calls.append((call, [(j, row) for j, (row, inp) in enumerate(part)
-                                     if inp.seq.sample]))
+                                     if inp.sample]))
                 part.clear()
 
             for row in rows:
@@ -160,9 +161,9 @@ class StaticBatcher:
                 n = min(self.chunk, len(row.prompt) - w)
                 if n == 0:
                     continue
-                inp = runner.row(row.prompt[w:w + n], w, row.table[:_blocks(w + n, bs)],
-                                 row.slot, sample=w + n == len(row.prompt))
-                if part and (sum(i.seq.num_tokens for _, i in part) + n > most_tokens
+                inp = runner.row(row.owner, row.prompt[w:w + n], w,
+                                 row.table[:_blocks(w + n, bs)], sample=w + n == len(row.prompt))
+                if part and (sum(i.num_tokens for _, i in part) + n > most_tokens
                              or len(part) == most_rows):
                     launch()
                     steps += 1
@@ -179,8 +180,8 @@ class StaticBatcher:
         longest = max(row.request.num_output_tokens for row in rows)
         previous: CallResult | None = None
         for k in range(1, longest):
-            inputs = [runner.row((PENDING_TOKEN,), len(row.prompt) + k - 1,
-                                 row.table[:_blocks(len(row.prompt) + k, bs)], row.slot)
+            inputs = [runner.row(row.owner, (PENDING_TOKEN,), len(row.prompt) + k - 1,
+                                 row.table[:_blocks(len(row.prompt) + k, bs)])
                       for row in rows]
             call = runner.run(inputs)
             for row in rows:

@@ -45,8 +45,8 @@ from xlaserve.bench.roofline import (
     threaded_copy_bandwidth,
 )
 from xlaserve.models.config import ModelConfig
-from xlaserve.serving.runner.runner import ModelRunner, RowInput
-from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
+from xlaserve.serving.runner.runner import ModelRunner
+from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq
 
 # -- probes ---------------------------------------------------------------------------------------
 
@@ -164,26 +164,28 @@ def _table(runner: ModelRunner, row: int, blocks: int) -> list[int]:
     return list(range(first, first + blocks))
 
 
-def decode_rows(runner: ModelRunner, rows: int, context: int, width: int) -> list[RowInput]:
-    """`rows` decode rows after `context` cached tokens, tables `width` blocks wide (the KV
-    values are whatever the cache holds: timing does not depend on them)."""
+def decode_rows(runner: ModelRunner, rows: int, context: int, width: int
+                ) -> list[ScheduledSeq]:
+    """`rows` decode rows (owners `decode-{r}`) after `context` cached tokens, tables `width`
+    blocks wide (the KV values are whatever the cache holds: timing does not depend on
+    them)."""
     if context + 1 > width * runner.block_size:
         raise ValueError(f"context {context} does not fit a table of {width} blocks")
-    return [runner.row((PENDING_TOKEN,), context, _table(runner, r, width), r + 1)
+    return [runner.row(f"decode-{r}", (PENDING_TOKEN,), context, _table(runner, r, width))
             for r in range(rows)]
 
 
-def prefill_rows(runner: ModelRunner, tokens: int) -> list[RowInput]:
-    """One fresh row of `tokens` prompt tokens (nothing cached)."""
-    return [runner.row(tuple(range(1, tokens + 1)), 0,
-                       _table(runner, 0, -(-tokens // runner.block_size)), 1)]
+def prefill_rows(runner: ModelRunner, tokens: int) -> list[ScheduledSeq]:
+    """One fresh row (owner `prefill`) of `tokens` prompt tokens (nothing cached)."""
+    return [runner.row("prefill", tuple(range(1, tokens + 1)), 0,
+                       _table(runner, 0, -(-tokens // runner.block_size)))]
 
 
-def time_rows(runner: ModelRunner, rows: list[RowInput], repeats: int) -> float:
+def time_rows(runner: ModelRunner, rows: list[ScheduledSeq], repeats: int) -> float:
     return median_seconds(lambda: runner.run(rows).out.tokens.block_until_ready(), repeats) * 1e3
 
 
-def time_pipelined(runner: ModelRunner, rows: list[RowInput], steps: int) -> float:
+def time_pipelined(runner: ModelRunner, rows: list[ScheduledSeq], steps: int) -> float:
     """ms per step over `steps` calls, each launched before the previous one is fetched (the
     engine's pipelined loop: rows whose token is PENDING_TOKEN read it from the device)."""
     runner.run(rows).fetch()
@@ -202,10 +204,20 @@ def rates(probe_bytes: int) -> tuple[float, float]:
     return max(read_bandwidth(probe_bytes).values()), max(gemm_rate().values())
 
 
-def measure_step(runner: ModelRunner, kind: str, rows: list[RowInput], context: int,
+def measure_step(runner: ModelRunner, kind: str, rows: list[ScheduledSeq], context: int,
                  repeats: int, probe_bytes: int, breakdown: bool) -> StepRow:
+    """One kind of step timed (the rows' token cells are given back after)."""
+    try:
+        return _measure_step(runner, kind, rows, context, repeats, probe_bytes, breakdown)
+    finally:
+        for r in rows:
+            runner.cells.release(r.request_id)
+
+
+def _measure_step(runner: ModelRunner, kind: str, rows: list[ScheduledSeq], context: int,
+                  repeats: int, probe_bytes: int, breakdown: bool) -> StepRow:
     c = runner.config
-    tokens = sum(r.seq.num_tokens for r in rows)
+    tokens = sum(r.num_tokens for r in rows)
     if kind == "decode":
         keys, distinct = context + 1, len(rows) * context
     else:

@@ -29,14 +29,16 @@ from xlaserve.models.llama import (
     attention_backend_uses_kernels,
     final_logits,
 )
-from xlaserve.serving.runner.runner import ModelRunner, RowInput
+from xlaserve.serving.runner.runner import ModelRunner
+from xlaserve.serving.scheduler.step_plan import ScheduledSeq
 
 
 def _ms(fn: Callable[[], Any], repeats: int) -> float:
     return 1e3 * median_seconds(lambda: jax.block_until_ready(fn()), repeats)
 
 
-def part_times(runner: ModelRunner, rows: Sequence[RowInput], repeats: int) -> dict[str, float]:
+def part_times(runner: ModelRunner, rows: Sequence[ScheduledSeq], repeats: int
+               ) -> dict[str, float]:
     c = runner.config
     params, backend = runner.params, runner.backend
     use_kernel = attention_backend_uses_kernels(backend)

@@ -74,6 +74,10 @@ class SamplingParams:
             bad("stop", "at most 16 non-empty strings")
 
 
+# argmax, no seed: the sampling of plan rows that sample nothing, and of rows made by hand
+GREEDY = SamplingParams(temperature=0.0)
+
+
 class ContextLengthExceeded(ValueError):
     """A prompt, or prompt + max_tokens, past a model's context; `field` is the one at fault:
     "prompt" or the max_tokens field's name."""

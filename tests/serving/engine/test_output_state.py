@@ -38,7 +38,7 @@ def feed(state: OutputState, ids: list[int]) -> tuple[str, str | None]:
 def state_for(tok: Tokenizer, max_tokens: int) -> OutputState:
     request = GenerationRequest("r", tok.encode("The quiz."),
                                 SamplingParams(stop=("Q: ",), max_tokens=max_tokens))
-    return OutputState.create(request, tok, 0, (EOS,), tok.vocab_size)
+    return OutputState.create(request, tok, (EOS,), tok.vocab_size)
 
 
 def test_stop_token_flush_cuts_a_stop_string_in_held_back_text(tok: Tokenizer) -> None:

@@ -8,37 +8,43 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xlaserve.serving.runner.host_step import lay_out, sample_rows
-from xlaserve.serving.runner.row_input import RowInput, RowSampling
 from xlaserve.models.kv_slots import slot_mapping
+from xlaserve.serving.runner.host_step import HostStep, lay_out, sample_rows
 from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq
+from xlaserve.serving.types import GREEDY, SamplingParams
 
 BS, V = 4, 8
 
 
 def seq(rid: str, tokens: tuple[int, ...], start: int, table: tuple[int, ...],
-        sample: bool = True, num_draft: int = 0) -> ScheduledSeq:
+        sample: bool = True, num_draft: int = 0, sampling: SamplingParams = GREEDY,
+        sample_index: int = 0) -> ScheduledSeq:
     return ScheduledSeq(rid, tokens, start, table, slot_mapping(table, start, len(tokens), BS),
-                        sample, num_draft)
+                        sample, num_draft, sampling, sample_index)
 
 
-def mixed_rows() -> list[RowInput]:
-    bias = np.arange(V, dtype=np.float32)
-    q = np.full((2, V), 1 / V, np.float32)
+def mixed_rows() -> list[ScheduledSeq]:
     return [
-        RowInput(seq("decode", (PENDING_TOKEN,), 5, (3, 7)), 1,
-                 RowSampling(temperature=0.5, top_k=V + 1, seed=2**33 + 9, counter=4,
-                             bias=bias, logprobs=True)),
-        RowInput(seq("chunk", (11, 12, 13), 0, (2,), sample=False), 2),
-        RowInput(seq("last", (21, 22), 4, (5, 6)), 3, RowSampling(top_k=3, top_p=0.9)),
-        RowInput(seq("verify", (31, 32, 33), 2, (9, 10), num_draft=2), 4,
-                 RowSampling(temperature=1.0, counter=7), q),
+        seq("decode", (PENDING_TOKEN,), 5, (3, 7), sample_index=4, sampling=SamplingParams(
+            temperature=0.5, top_k=V + 1, seed=2**33 + 9, logprobs=0)),
+        seq("chunk", (11, 12, 13), 0, (2,), sample=False),
+        seq("last", (21, 22), 4, (5, 6), sampling=SamplingParams(temperature=0.0, top_k=3,
+                                                                 top_p=0.9)),
+        seq("verify", (31, 32, 33), 2, (9, 10), num_draft=2, sample_index=7,
+            sampling=SamplingParams(temperature=1.0)),   # no seed: 0
     ]
 
 
+def mixed_step() -> HostStep:
+    """`mixed_rows` in token cells 1..4, the decode with a penalty bias, the verify row with
+    its drafts' distributions."""
+    bias = {"decode": np.arange(V, dtype=np.float32)}
+    q = {"verify": np.full((2, V), 1 / V, np.float32)}
+    return lay_out(mixed_rows(), [1, 2, 3, 4], (8, 12, 3), BS, V, bias, q)
+
+
 def test_a_mixed_step_laid_out_field_by_field() -> None:
-    rows = mixed_rows()
-    h = lay_out(rows, (8, 12, 3), BS, V)
+    h = mixed_step()
     assert h.shape == (8, 12, 3)
     #                          decode | chunk     | last   | verify     | padding
     assert h.tokens.tolist() == [-1, 11, 12, 13, 21, 22, 31, 32, 33, 0, 0, 0]
@@ -66,7 +72,8 @@ def test_a_mixed_step_laid_out_field_by_field() -> None:
 
 
 def test_no_bias_or_draft_arrays_when_no_row_has_them() -> None:
-    h = lay_out([RowInput(seq("a", (1,), 0, (1,)), 1)], (1, 1, 1), BS, V)
+    other = {"other": np.ones((1, V), np.float32)}   # a request that is not in the step
+    h = lay_out([seq("a", (1,), 0, (1,))], [1], (1, 1, 1), BS, V, other, other)
     assert h.bias is None and h.draft_probs is None
     rows, tokens, tables = h.packed()
     assert rows.shape == (11, 1) and tokens.shape == (4, 1) and tables.shape == (1, 1)
@@ -74,8 +81,10 @@ def test_no_bias_or_draft_arrays_when_no_row_has_them() -> None:
 
 def test_bad_rows_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="row 0 feeds no tokens"):
-        lay_out([RowInput(ScheduledSeq("a", (), 0, (1,), (), True), 1)], (1, 1, 1), BS, V)
+        lay_out([ScheduledSeq("a", (), 0, (1,), (), True)], [1], (1, 1, 1), BS, V)
     short = ScheduledSeq("a", (1, 2), 3, (1,), (7, 8), True)   # positions 3, 4: two blocks
     with pytest.raises(ValueError, match="row 0: block table of 1 blocks cannot hold "
                                          "position 4"):
-        lay_out([RowInput(short, 1)], (1, 2, 1), BS, V)
+        lay_out([short], [1], (1, 2, 1), BS, V)
+    with pytest.raises(ValueError, match="1 rows but 2 token cells"):
+        lay_out([seq("a", (1,), 0, (1,))], [1, 2], (1, 1, 1), BS, V)

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.serving.runner.test_host_step import BS, V, mixed_rows
-from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS, lay_out
+from tests.serving.runner.test_host_step import mixed_step
+from xlaserve.serving.runner.host_step import ROW_FIELDS, TOKEN_FIELDS
 from xlaserve.serving.runner.step_functions import unpack
 
 
 def test_every_field_round_trips_through_the_packed_buffers() -> None:
-    h = lay_out(mixed_rows(), (8, 12, 3), BS, V)
+    h = mixed_step()
     rows, toks, tables = h.packed()
     assert rows.dtype == toks.dtype == np.int32 and np.array_equal(tables, h.block_tables)
     for packed, fields in ((rows, ROW_FIELDS), (toks, TOKEN_FIELDS)):

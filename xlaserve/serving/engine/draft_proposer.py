@@ -13,36 +13,33 @@ runner for all of a step's verify rows at once, launched back to back.
                  drawn from ([limit, V] per row, `probs`), which the verify row takes to the
                  target's sampler (runner/draft_verify.py: accept with min(1, p/q))
 
-Draft j of a row is drawn with the row's own sampling parameters and token index, and its
-seed salted (DRAFT_SALT): independent of the target's draws, still batch-invariant.  Greedy
-rows' drafts are the draft's argmax, a point mass (no q).
+Draft j of a row is drawn with the row's own sampling parameters and token index (the
+query's `sampling`, output index len(token_ids) - num_prompt_tokens + j), its seed salted
+(DRAFT_SALT): independent of the target's draws, still batch-invariant; no penalties, no
+logprobs.  Greedy rows' drafts are the draft's argmax, a point mass (no q).  Each query's
+request id owns a token cell of the draft runner for the proposal (PENDING_TOKEN reads it),
+given back when the proposal ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
 
-from xlaserve.serving.runner.draft_runner import DraftRunner
-from xlaserve.serving.runner.row_input import RowInput, RowSampling
 from xlaserve.serving.runner.calls import CallResult
-from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN
+from xlaserve.serving.runner.draft_runner import DraftRunner
+from xlaserve.serving.scheduler.step_plan import PENDING_TOKEN, ScheduledSeq
 from xlaserve.serving.speculative import DraftQuery
 
 DRAFT_SALT = 0x64726674   # "drft": the draft's seeds are the request's, xor this
 
-# (request_id, position of the token to be sampled) -> how the request samples it
-SamplingOf = Callable[[str, int], RowSampling]
-
 
 class DraftProposer:
-    def __init__(self, runner: DraftRunner, num_speculative_tokens: int,
-                 sampling_of: SamplingOf) -> None:
+    def __init__(self, runner: DraftRunner, num_speculative_tokens: int) -> None:
         self.runner = runner
         self.k = num_speculative_tokens
-        self.sampling_of = sampling_of
         self.probs: dict[str, np.ndarray] = {}   # [limit, V] float32 per sampled row, last step
         self.num_calls = 0                       # draft runner calls made (catch-up included)
 
@@ -55,10 +52,17 @@ class DraftProposer:
         if bad:
             raise ValueError(f"rows {bad} ask for more than k={self.k} drafts")
         self.probs = {}
+        try:
+            return self._propose(queries)
+        finally:
+            for q in queries:
+                self.runner.cells.release(q.request_id)
+
+    def _propose(self, queries: Sequence[DraftQuery]) -> list[tuple[int, ...]]:
         starts = self._catch_up(queries)
         calls: list[tuple[CallResult, object]] = []
         for j in range(max(q.limit for q in queries)):
-            rows = [self._row(i, q, starts[i], j) for i, q in enumerate(queries) if q.limit > j]
+            rows = [self._row(q, starts[i], j) for i, q in enumerate(queries) if q.limit > j]
             calls.append((self.runner.run(rows), self.runner.last_probs))
             self.num_calls += 1
         drafts: list[list[int]] = [[] for _ in queries]
@@ -72,7 +76,7 @@ class DraftProposer:
                 if q_host is not None:
                     probs[i].append(q_host[at])
         for i, q in enumerate(queries):
-            if probs[i] and self.sampling_of(q.request_id, len(q.token_ids)).temperature > 0:
+            if probs[i] and q.sampling.temperature > 0:
                 self.probs[q.request_id] = np.stack(probs[i])       # [limit, V]
         return [tuple(d) for d in drafts]
 
@@ -88,8 +92,8 @@ class DraftProposer:
                 n = min(len(q.token_ids) - tail - starts[i], budget)
                 if n < 1:
                     continue
-                rows.append(self.runner.row(q.token_ids[starts[i]:starts[i] + n], starts[i],
-                                            q.block_table, i + 1, sample=False))
+                rows.append(self.runner.row(q.request_id, q.token_ids[starts[i]:starts[i] + n],
+                                            starts[i], q.block_table, sample=False))
                 starts[i] += n
                 budget -= n
                 if budget < 1:
@@ -99,13 +103,14 @@ class DraftProposer:
             self.runner.run(rows)
             self.num_calls += 1
 
-    def _row(self, i: int, q: DraftQuery, start: int, j: int) -> RowInput:
-        """Call j's row of query i: the rest of its tokens (j = 0) or its draft j."""
+    def _row(self, q: DraftQuery, start: int, j: int) -> ScheduledSeq:
+        """Call j's row of query `q`: the rest of its tokens (j = 0) or its draft j."""
         size = len(q.token_ids)
         if j == 0:
             ids, first = q.token_ids[start:], start
         else:
             ids, first = (PENDING_TOKEN,), size - 1 + j
-        s = self.sampling_of(q.request_id, size + j)
-        s = replace(s, seed=(s.seed ^ DRAFT_SALT) & 0xFFFFFFFF, bias=None, logprobs=False)
-        return self.runner.row(ids, first, q.block_table, i + 1, sampling=s)
+        s = replace(q.sampling, seed=((q.sampling.seed or 0) ^ DRAFT_SALT) & 0xFFFFFFFF,
+                    logprobs=None)
+        return self.runner.row(q.request_id, ids, first, q.block_table, sampling=s,
+                               sample_index=size + j - q.num_prompt_tokens)

@@ -47,10 +47,10 @@ from xlaserve.serving.engine.service_costs import CostMeter
 from xlaserve.serving.engine.step_clock import HostTime, StepClock
 from xlaserve.serving.runner.draft_runner import DraftRunner
 from xlaserve.serving.runner.calls import CallResult
-from xlaserve.serving.runner.runner import ModelRunner, RowInput, RowSampling
+from xlaserve.serving.runner.runner import ModelRunner
 from xlaserve.serving.runner.token_mask import all_allowed
 from xlaserve.serving.scheduler import RequestState, Scheduler
-from xlaserve.serving.scheduler.step_plan import ScheduledSeq, StepPlan
+from xlaserve.serving.scheduler.step_plan import StepPlan
 from xlaserve.serving.structured.grammar import GrammarCompiler
 from xlaserve.serving.tokenizer import Tokenizer
 from xlaserve.serving.types import EngineEvent, GenerationRequest, TokenLogprob, Usage
@@ -81,7 +81,7 @@ class LLMEngine:
         if spec is not None and spec.method == "draft":
             self.draft = DraftProposer(
                 draft_runner or make_draft_runner(params, config, mesh, engine_config),
-                spec.num_speculative_tokens, self._sampling)
+                spec.num_speculative_tokens)
         self.scheduler = Scheduler(engine_config.scheduler, spec, self.draft)
         s = engine_config.scheduler
         if runner is None:
@@ -117,10 +117,10 @@ class LLMEngine:
         grammar = None if constraint is None else self.grammars.start(constraint)  # ValueError
         if not request.arrival_time:   # the caller's request stays as it was
             request = replace(request, arrival_time=time.monotonic())
-        seed = request.sampling.seed
-        if seed is None:
-            seed = self._rng.getrandbits(32)
-        state = OutputState.create(request, self.tokenizer, seed,   # ValueError
+        if request.sampling.seed is None:   # drawn once: every row of it samples with it
+            request = replace(request, sampling=replace(request.sampling,
+                                                        seed=self._rng.getrandbits(32)))
+        state = OutputState.create(request, self.tokenizer,   # ValueError
                                    self.model_config.eos_token_ids, vocab, grammar)
         self.scheduler.add(request)
         self._outputs[request.request_id] = state
@@ -220,28 +220,34 @@ class LLMEngine:
                     return True
         return False
 
-    def _row(self, row: ScheduledSeq) -> RowInput:
-        sampling = (self._sampling(row.request_id, row.sample_position) if row.sample
-                    else RowSampling())
-        q = self.draft.probs.pop(row.request_id, None) if self.draft and row.num_draft else None
-        return RowInput(row, self.runner.cells.cell(row.request_id), sampling, q)
+    def _penalty_biases(self, plan: StepPlan) -> dict[str, np.ndarray]:
+        """[V] logit bias of each sampling row with penalties, from its tokens so far."""
+        out = {}
+        for row in plan.rows:
+            bias = self._outputs[row.request_id].penalty_bias() if row.sample else None
+            if bias is not None:
+                out[row.request_id] = bias
+        return out
 
-    def _sampling(self, request_id: str, position: int) -> RowSampling:
-        """How the request samples the token at `position` (its index among the output keys
-        the seeded draw)."""
-        state = self._outputs[request_id]
-        s = state.request.sampling
-        return RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                           min_p=s.min_p, seed=state.seed,
-                           counter=position - len(state.request.prompt_token_ids),
-                           bias=state.penalty_bias(), logprobs=s.logprobs is not None)
+    def _draft_probs(self, plan: StepPlan) -> dict[str, np.ndarray]:
+        """[num_draft, V] for each verify row whose drafts a draft model drew at temperature
+        > 0 (the distributions it drew them from); greedy and n-gram drafts have none."""
+        if self.draft is None:
+            return {}
+        out = {}
+        for row in plan.rows:
+            q = self.draft.probs.pop(row.request_id, None) if row.num_draft else None
+            if q is not None:
+                out[row.request_id] = q
+        return out
 
     def _launch(self, launched: _Launched) -> None:
         plan = launched.plan
         constrained = any(r.sample and r.request_id in self._outputs
                           and self._outputs[r.request_id].grammar is not None
                           for r in plan.rows)
-        forwarded = self.runner.forward([self._row(r) for r in plan.rows])
+        forwarded = self.runner.forward(plan.rows, self._penalty_biases(plan),
+                                        self._draft_probs(plan))
         launched.call = self.runner.sample(forwarded, self._masks(plan) if constrained else None)
 
     def _masks(self, plan: StepPlan) -> np.ndarray:   # [rows, ceil(V/32)] int32

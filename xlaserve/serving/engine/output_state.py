@@ -17,7 +17,6 @@ class OutputState:
     request: GenerationRequest
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
-    seed: int
     stop_ids: frozenset[int]
     vocab_size: int
     output_ids: list[int] = field(default_factory=list)
@@ -25,14 +24,14 @@ class OutputState:
     grammar: GrammarState | None = None   # a constrained request's position in its grammar
 
     @classmethod
-    def create(cls, request: GenerationRequest, tokenizer: Tokenizer, seed: int,
+    def create(cls, request: GenerationRequest, tokenizer: Tokenizer,
                eos_ids: tuple[int, ...], vocab_size: int,
                grammar: GrammarState | None = None) -> "OutputState":
         s = request.sampling
         stop_ids = frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos
                                                   else frozenset(eos_ids))
         state = cls(request, IncrementalDetokenizer(tokenizer, request.prompt_token_ids),
-                    StopStringMatcher(s.stop), seed, stop_ids, vocab_size, grammar=grammar)
+                    StopStringMatcher(s.stop), stop_ids, vocab_size, grammar=grammar)
         for token in request.output_token_ids:   # generated elsewhere: taken, not streamed
             _, reason = state.accept(token, None)
             if reason is not None:

@@ -21,7 +21,8 @@ import time
 from dataclasses import replace
 
 from xlaserve.serving.engine_api import ServiceCosts
-from xlaserve.serving.runner.runner import ModelRunner, RowInput
+from xlaserve.serving.runner.runner import ModelRunner
+from xlaserve.serving.scheduler.step_plan import ScheduledSeq
 
 MIN_PREFILL_TOKENS = 32
 
@@ -50,23 +51,28 @@ class CostMeter:
         """Time a decode step of a full batch at `context` tokens and a prefill step of
         `prefill_tokens` on `runner`, the median of `repeats` (decode, prefill) after one
         untimed call each, and start the estimates from them.  Writes KV blocks 1.. with
-        garbage: call it before the engine serves (no block holds anything yet)."""
+        garbage: call it before the engine serves (no block holds anything yet).  Its rows'
+        token cells (owners `calibrate-{i}`) are given back afterwards."""
         bs, rows = runner.block_size, self.costs.max_running
         most = min(runner.num_blocks - 1, runner.buckets.table_widths[-1]) * bs
         context = max(1, min(context, most - 1))
         prefill_tokens = max(MIN_PREFILL_TOKENS,
                              min(prefill_tokens, most, runner.buckets.max_tokens))
         table = list(range(1, math.ceil((context + 1) / bs) + 1))
-        decode = [runner.row([0], context, table, slot) for slot in range(1, rows + 1)]
-        prefill = [runner.row([0] * prefill_tokens, 0,
-                              list(range(1, math.ceil(prefill_tokens / bs) + 1)), 1)]
-        step_s = _median_time(runner, decode, repeats[0])
-        prefill_s = _median_time(runner, prefill, repeats[1])
+        decode = [runner.row(f"calibrate-{i}", [0], context, table) for i in range(rows)]
+        prefill = [runner.row("calibrate-0", [0] * prefill_tokens, 0,
+                              list(range(1, math.ceil(prefill_tokens / bs) + 1)))]
+        try:
+            step_s = _median_time(runner, decode, repeats[0])
+            prefill_s = _median_time(runner, prefill, repeats[1])
+        finally:
+            for row in decode:
+                runner.cells.release(row.request_id)
         self.costs = ServiceCosts(rows, step_s, prefill_tokens / prefill_s)
         return self.costs
 
 
-def _median_time(runner: ModelRunner, rows: list[RowInput], repeats: int) -> float:
+def _median_time(runner: ModelRunner, rows: list[ScheduledSeq], repeats: int) -> float:
     runner.run(rows).fetch()
     times = []
     for _ in range(repeats):

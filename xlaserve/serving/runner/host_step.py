@@ -5,13 +5,12 @@ other processes (step_channel.py) and every process launches an identical call."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from xlaserve.serving.runner.row_input import RowInput
+from xlaserve.serving.scheduler.step_plan import ScheduledSeq
 
 
 class Field(NamedTuple):
@@ -140,20 +139,27 @@ def sample_rows(num_drafts: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def lay_out(rows: Sequence[RowInput], bucket: tuple[int, int, int], block_size: int,
-            vocab: int) -> HostStep:
-    """`rows` as one flat batch padded to `bucket` (rows R, tokens T, width W): row i's tokens
-    follow row i-1's, then padding (token_rows -1, slot 0: the null block); sample rows as
-    `sample_rows` orders them.  (A loop over rows: ~0.1 ms for 32 decode rows, which measured
-    faster than a vectorised form at serving row counts.)"""
+def lay_out(rows: Sequence[ScheduledSeq], cells: Sequence[int], bucket: tuple[int, int, int],
+            block_size: int, vocab: int, bias: Mapping[str, np.ndarray] | None = None,
+            draft_probs: Mapping[str, np.ndarray] | None = None) -> HostStep:
+    """`rows` (plan rows: tokens, positions, tables, sampling) as one flat batch padded to
+    `bucket` (rows R, tokens T, width W): row i's tokens follow row i-1's, then padding
+    (token_rows -1, slot 0: the null block); sample rows as `sample_rows` orders them.
+    `cells[i]`: row i's token cell, in [1, max_num_seqs].  By request id: `bias` [V] additive
+    logit bias (penalties) for each of the row's sample rows, `draft_probs` [num_draft, V] the
+    distribution each draft of a verify row was drawn from (a draft model's; absent: point
+    masses).  (A loop over rows: ~0.1 ms for 32 decode rows, which measured faster than a
+    vectorised form at serving row counts.)"""
+    if len(cells) != len(rows):
+        raise ValueError(f"{len(rows)} rows but {len(cells)} token cells")
+    bias, draft_probs = bias or {}, draft_probs or {}
     r, t, w = bucket
     h = HostStep.padding(r, t, w)
-    bias: np.ndarray | None = None
-    draft_probs: np.ndarray | None = None
+    bias_rows: np.ndarray | None = None
+    q_rows: np.ndarray | None = None
     at = 0
-    order = sample_rows([row.seq.num_draft for row in rows])
-    for i, (row, where) in enumerate(zip(rows, order)):
-        seq = row.seq
+    order = sample_rows([seq.num_draft for seq in rows])
+    for i, (seq, where) in enumerate(zip(rows, order)):
         k = seq.num_tokens
         if k < 1:
             raise ValueError(f"row {i} feeds no tokens")
@@ -165,26 +171,27 @@ def lay_out(rows: Sequence[RowInput], bucket: tuple[int, int, int], block_size: 
         h.token_rows[at:at + k] = i
         h.slot_mapping[at:at + k] = seq.slot_mapping
         h.block_tables[i, : len(seq.block_table)] = seq.block_table
-        s = row.sampling
+        s = seq.sampling
+        b, q = bias.get(seq.request_id), draft_probs.get(seq.request_id)
         # sample row where[j] samples after input token at + k - len(where) + j: the last
         # token only, or a verify row's token and each of its drafts
         for j, sr in enumerate(where):
             h.logits_index[sr] = at + k - len(where) + j
             h.temperature[sr], h.top_p[sr], h.min_p[sr] = s.temperature, s.top_p, s.min_p
             h.top_k[sr] = 0 if s.top_k >= vocab else s.top_k   # keeps every token: off
-            h.seed[sr], h.counter[sr] = s.seed & 0xFFFFFFFF, s.counter + j
-            h.logprobs[sr] = s.logprobs
-            if s.bias is not None:
-                if bias is None:
-                    bias = np.zeros((r, vocab), np.float32)
-                bias[sr] = s.bias
-            if row.draft_probs is not None and j < seq.num_draft:   # q of draft j
-                if draft_probs is None:
-                    draft_probs = np.zeros((r, vocab), np.float32)
-                draft_probs[sr] = row.draft_probs[j]
+            h.seed[sr], h.counter[sr] = (s.seed or 0) & 0xFFFFFFFF, seq.sample_index + j
+            h.logprobs[sr] = s.logprobs is not None
+            if b is not None:
+                if bias_rows is None:
+                    bias_rows = np.zeros((r, vocab), np.float32)
+                bias_rows[sr] = b
+            if q is not None and j < seq.num_draft:   # q of draft j
+                if q_rows is None:
+                    q_rows = np.zeros((r, vocab), np.float32)
+                q_rows[sr] = q[j]
                 h.draft_token[sr] = seq.token_ids[k - len(where) + j + 1]
         at += k
         # only the row's own sample row feeds its token cell (read by a later PENDING_TOKEN)
-        h.row_cell[i] = row.token_cell
+        h.row_cell[i] = cells[i]
         h.sample_mask[i] = seq.sample
-    return h._replace(bias=bias, draft_probs=draft_probs)
+    return h._replace(bias=bias_rows, draft_probs=q_rows)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -63,13 +63,13 @@ from xlaserve.serving.runner.host_step import (
     lay_out,
     sample_rows,
 )
-from xlaserve.serving.runner.row_input import GREEDY, RowInput, RowSampling
 from xlaserve.serving.runner.sampling import SampleOutput
 from xlaserve.serving.runner.step_channel import Op, StepChannel
 from xlaserve.serving.runner.step_functions import forward_step, sample_step
 from xlaserve.serving.runner.token_cells import TokenCells
 from xlaserve.serving.runner.token_mask import all_allowed, mask_as_bias, mask_words
 from xlaserve.serving.scheduler.step_plan import ScheduledSeq
+from xlaserve.serving.types import GREEDY, SamplingParams
 from xlaserve.sharding.layout import ShardLayout
 from xlaserve.sharding.parallel_forward import make_forward
 
@@ -222,13 +222,17 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------------------------
 
-    def forward(self, rows: Sequence[RowInput]) -> Forwarded:
+    def forward(self, rows: Sequence[ScheduledSeq],
+                bias: Mapping[str, np.ndarray] | None = None,          # [V] per request id
+                draft_probs: Mapping[str, np.ndarray] | None = None,   # [num_draft, V] each
+                ) -> Forwarded:
         """Launch the forward over `rows` (decodes and prefill chunks alike, in their order);
         `sample` launches its sampler.  In between the host may make the allowed-token masks of
         constrained rows while the device runs the forward.  On a multi-host mesh the step is
-        laid out only: it goes to every process whole, masks included, in `sample`."""
-        host = self.host_step(rows)
-        order = sample_rows([row.seq.num_draft for row in rows])
+        laid out only: it goes to every process whole, masks included, in `sample`.  `bias`
+        and `draft_probs`, by request id: see `host_step.lay_out`."""
+        host = self.host_step(rows, bias, draft_probs)
+        order = sample_rows([row.num_draft for row in rows])
         start = time.perf_counter()
         if self.channel is not None:
             self._require_leader("forward")
@@ -256,7 +260,7 @@ class ModelRunner:
         return CallResult(sum(len(o) for o in call.sample_rows), out, host.shape,
                           call.sample_rows)
 
-    def run(self, rows: Sequence[RowInput], masks: np.ndarray | None = None) -> CallResult:
+    def run(self, rows: Sequence[ScheduledSeq], masks: np.ndarray | None = None) -> CallResult:
         """One call over `rows`, forward and sampler (`forward`, then `sample`)."""
         return self.sample(self.forward(rows), masks)
 
@@ -289,33 +293,40 @@ class ModelRunner:
             raise RuntimeError(f"{what}: only process 0 drives a multi-host mesh; process "
                                f"{jax.process_index()} must call follow()")
 
-    def row(self, token_ids: Sequence[int], start_position: int, block_table: Sequence[int],
-            token_cell: int, sample: bool = True, sampling: RowSampling = GREEDY) -> RowInput:
+    def row(self, owner: str, token_ids: Sequence[int], start_position: int,
+            block_table: Sequence[int], sample: bool = True, sampling: SamplingParams = GREEDY,
+            sample_index: int = 0) -> ScheduledSeq:
         """A row made by hand (the draft proposer, calibration, benchmarks), as the scheduler
-        would plan it."""
+        would plan it.  `owner` stands for the request: a call gives it a token cell
+        (`cells`), which its caller releases when done."""
         n = len(token_ids)
-        return RowInput(ScheduledSeq("", tuple(token_ids), start_position, tuple(block_table),
-                                     slot_mapping(block_table, start_position, n,
-                                                  self.block_size), sample), token_cell,
-                        sampling)
+        return ScheduledSeq(owner, tuple(token_ids), start_position, tuple(block_table),
+                            slot_mapping(block_table, start_position, n, self.block_size),
+                            sample, sampling=sampling, sample_index=sample_index)
 
-    def bucket(self, rows: Sequence[RowInput]) -> tuple[int, int, int]:
+    def bucket(self, rows: Sequence[ScheduledSeq]) -> tuple[int, int, int]:
         """The (rows, tokens, width) bucket a call over `rows` runs in: one sample row per
         plan row, and one more per draft token of a verify row."""
         if not rows:
             raise ValueError("a call needs at least one row")
-        return self.buckets.fit(len(rows) + sum(row.seq.num_draft for row in rows),
-                                sum(row.seq.num_tokens for row in rows),
-                                max(len(row.seq.block_table) for row in rows))
+        return self.buckets.fit(len(rows) + sum(row.num_draft for row in rows),
+                                sum(row.num_tokens for row in rows),
+                                max(len(row.block_table) for row in rows))
 
-    def host_step(self, rows: Sequence[RowInput]) -> HostStep:
-        """Lay `rows` out as one flat batch padded to its bucket: the host arrays of one call."""
+    def host_step(self, rows: Sequence[ScheduledSeq],
+                  bias: Mapping[str, np.ndarray] | None = None,          # [V] per request id
+                  draft_probs: Mapping[str, np.ndarray] | None = None,   # [num_draft, V] each
+                  ) -> HostStep:
+        """Lay `rows` out as one flat batch padded to its bucket: the host arrays of one call.
+        Each row's token cell is its request's (`cells`: taken on first use)."""
         shape = self.bucket(rows)
         if shape not in self._compiled:
             r, t, w = shape
             raise RuntimeError(f"bucket (rows={r}, tokens={t}, width={w}) was not compiled in "
                                f"warm-up; compiled: {len(self._compiled)} buckets")
-        return lay_out(rows, shape, self.block_size, self.config.vocab_size)
+        cells = [self.cells.cell(row.request_id) for row in rows]
+        return lay_out(rows, cells, shape, self.block_size, self.config.vocab_size, bias,
+                       draft_probs)
 
     def _launch_forward(self, host: HostStep) -> tuple[Any, jax.Array]:
         """Launch the compiled forward of `host` (asynchronously); the KV cache advances.

@@ -86,7 +86,8 @@ def propose_model_drafts(proposer: BatchProposer, k: int, progress: DraftProgres
             continue
         start = progress.start(seq.request_id, seq.num_computed_tokens)
         chosen.append((seq, DraftQuery(seq.request_id, tuple(seq.all_token_ids), start,
-                                       kv_cache.block_table(seq.request_id), limit)))
+                                       kv_cache.block_table(seq.request_id), limit,
+                                       seq.request.sampling, seq.num_prompt_tokens)))
         budget -= limit
         spare_rows -= limit
     if not chosen:

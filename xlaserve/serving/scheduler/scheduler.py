@@ -79,7 +79,7 @@ from xlaserve.serving.speculative import (
     SpeculativeConfig,
 )
 from xlaserve.serving.speculative.acceptance import accept_drafts
-from xlaserve.serving.types import GenerationRequest
+from xlaserve.serving.types import GREEDY, GenerationRequest
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -300,7 +300,9 @@ class Scheduler:
             drafts = step.drafts.get(rid, ())
             m = n + len(drafts)
             row = ScheduledSeq(rid, tuple(seq.all_token_ids[start:start + n]) + drafts, start,
-                               table, slot_mapping(table, start, m, bs), sample, len(drafts))
+                               table, slot_mapping(table, start, m, bs), sample, len(drafts),
+                               seq.request.sampling if sample else GREEDY,
+                               start + n - seq.num_prompt_tokens if sample else 0)
             seq.num_computed_tokens += n
             if sample:
                 seq.all_token_ids.append(PENDING_TOKEN)

@@ -13,11 +13,20 @@ tokens: [t, d1 .. dk] at positions p .. p + k.  Every one of its positions sampl
 gives it k + 1 sample rows); `sample_position` (p + 1) is still where its first sampled token
 goes, and the scheduler keeps the drafts the target model agrees with (speculative/).
 `slot_mapping()` (models/kv_slots.py) is the one place that turns positions into cache slots.
+
+How a row samples travels with it, typed: `sampling` is its request's SamplingParams (GREEDY
+for a row that samples nothing), `sample_index` the index within the request's output of the
+first token it samples, which is the position in the request's seeded RNG stream (a verify
+row's later samples take sample_index + 1, + 2, ...).  The runner lays both out as they are
+(runner/host_step.py); nothing between the scheduler and the sampler rewrites them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from xlaserve.serving.types import GREEDY, SamplingParams
+
 PENDING_TOKEN = -1  # a sampled token the host has not seen yet; the runner substitutes it
 
 
@@ -31,6 +40,10 @@ class ScheduledSeq:
     sample: bool                     # this row's last token completes the sequence: sample
     num_draft: int = 0               # trailing draft tokens of token_ids (a verify row), each
                                      # sampled after too; 0 for every other row
+    sampling: SamplingParams = GREEDY  # the request's parameters when `sample`, else GREEDY
+    sample_index: int = 0            # output index of the (first) token sampled: the RNG
+                                     # stream position (sample_position - prompt tokens); 0
+                                     # for a row that samples nothing
 
     @property
     def num_tokens(self) -> int:

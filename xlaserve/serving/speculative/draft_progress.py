@@ -28,18 +28,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from xlaserve.serving.types import GREEDY, SamplingParams
+
 
 @dataclass(frozen=True)
 class DraftQuery:
     """One row's proposal request: draft `limit` tokens after `token_ids` (all known; the last
     is the row's input), the draft's KV valid for positions [0, start), block table and slots
-    reserved for every position the draft writes (through len(token_ids) + limit - 2)."""
+    reserved for every position the draft writes (through len(token_ids) + limit - 2), and
+    how the request samples: draft j is drawn with `sampling` at output index
+    len(token_ids) - num_prompt_tokens + j (its seed salted by the proposer)."""
 
     request_id: str
     token_ids: tuple[int, ...]
     start: int
     block_table: tuple[int, ...]
     limit: int
+    sampling: SamplingParams = GREEDY
+    num_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < len(self.token_ids):
